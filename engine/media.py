@@ -1,0 +1,84 @@
+"""Audio files in, MP4 (H.264 + AAC) out, through PyAV's bundled FFmpeg."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+
+from engine.audio import SAMPLE_RATE
+
+
+def read_audio(path: str | Path, max_seconds: float | None = None) -> np.ndarray:
+    """Any audio file FFmpeg reads -> 16 kHz mono float32; clear errors for missing or broken files."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"audio file not found: {path}")
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    chunks: list[np.ndarray] = []
+    total = 0
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.audio:
+                raise ValueError(f"{path} has no audio stream")
+            for frame in container.decode(audio=0):
+                for out in resampler.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))
+                    total += chunks[-1].size
+                if max_seconds is not None and total > max_seconds * SAMPLE_RATE:
+                    raise ValueError(f"{path} is longer than {max_seconds:g} s")
+            for out in resampler.resample(None):
+                chunks.append(out.to_ndarray().reshape(-1))
+    except av.error.FFmpegError as e:
+        raise ValueError(f"cannot decode audio from {path}: {e}") from e
+    pcm = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
+    if not np.isfinite(pcm).all():
+        raise ValueError(f"{path} decodes to NaN or infinite samples")
+    return pcm
+
+
+class Mp4Writer:
+    """Streams RGB frames and their audio into a fragmented MP4.
+
+    Fragmented (empty moov, a fragment per keyframe) so that a file cut short by a
+    crash still plays up to its last fragment.
+    """
+
+    def __init__(self, path: str | Path, fps: int, size: tuple[int, int], sample_rate: int = SAMPLE_RATE):
+        self.path = Path(path)
+        self.container = av.open(str(self.path), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof"})
+        h, w = size
+        self.video = self.container.add_stream("libx264", rate=fps)
+        self.video.width, self.video.height, self.video.pix_fmt = w, h, "yuv420p"
+        self.video.options = {"preset": "veryfast", "tune": "zerolatency", "g": str(fps)}
+        self.audio = self.container.add_stream("aac", rate=sample_rate)
+        self.audio.layout = "mono"
+        self.sample_rate = sample_rate
+        self.frames = 0
+        self.samples = 0
+
+    def write(self, rgb: np.ndarray, pcm: np.ndarray) -> None:
+        vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+        vf.pts = self.frames
+        self.frames += 1
+        for packet in self.video.encode(vf):
+            self.container.mux(packet)
+        if pcm.size:
+            af = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, dtype=np.float32).reshape(1, -1), format="flt", layout="mono")
+            af.sample_rate, af.pts = self.sample_rate, self.samples
+            self.samples += pcm.size
+            for packet in self.audio.encode(af):
+                self.container.mux(packet)
+
+    def close(self) -> None:
+        for stream in (self.video, self.audio):
+            for packet in stream.encode(None):
+                self.container.mux(packet)
+        self.container.close()
+
+    def __enter__(self) -> "Mp4Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,165 @@
+"""The causal video DiT.
+
+One forward pass denoises the newest latent frame: its video tokens and audio tokens
+attend to themselves and to the KV cache (the reference sink and the recent frames).
+Blocks are *parallel*: attention and MLP read the same modulated input and their
+outputs are summed, so under tensor parallelism a block ends in exactly one
+all-reduce. Timestep conditioning is adaLN modulation (shift, scale and two gates)
+from a shared time projection plus a per-block table.
+
+The model is single-device and batch-free (one session); attention is delegated to
+an `attend(layer, q, k, v)` callable so the KV cache (ring or reference) owns
+positions, storage and the attention kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelSpec
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each head's dims with a per-head gain (H, D).
+
+    Bounds every element of q, k, v by max|gain| * sqrt(D): the FP8 cache's static scales.
+    """
+
+    def __init__(self, n_heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n_heads, head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (H, N, D)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float().unsqueeze(-2)).to(x.dtype)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.n_heads, self.head_dim = spec.n_heads, spec.head_dim
+        self.norm = nn.LayerNorm(spec.dim, elementwise_affine=False, eps=1e-6)
+        self.qkv = nn.Linear(spec.dim, 3 * spec.dim, bias=False)
+        self.q_norm = HeadRMSNorm(spec.n_heads, spec.head_dim)
+        self.k_norm = HeadRMSNorm(spec.n_heads, spec.head_dim)
+        self.v_norm = HeadRMSNorm(spec.n_heads, spec.head_dim)
+        self.attn_out = nn.Linear(spec.dim, spec.dim, bias=False)
+        self.mlp_in = nn.Linear(spec.dim, 2 * spec.mlp_hidden, bias=False)  # gate and up, fused
+        self.mlp_out = nn.Linear(spec.mlp_hidden, spec.dim, bias=False)
+        self.modulation = nn.Parameter(torch.randn(4, spec.dim) / math.sqrt(spec.dim))
+
+    def forward(self, x: torch.Tensor, mod: torch.Tensor, attend: Callable) -> torch.Tensor:
+        # x (N, dim); mod (4, dim) from the time projection
+        shift, scale, gate_attn, gate_mlp = (mod + self.modulation).unbind(0)
+        h = modulate(self.norm(x), shift, scale)
+        q, k, v = self.qkv(h).unflatten(-1, (3, self.n_heads, self.head_dim)).permute(1, 2, 0, 3)  # 3x (H, N, D)
+        a = attend(self.q_norm(q), self.k_norm(k), self.v_norm(v))  # (H, N, D)
+        a = self.attn_out(a.transpose(0, 1).flatten(-2))
+        gate, up = self.mlp_in(h).chunk(2, dim=-1)
+        m = self.mlp_out(F.silu(gate) * up)
+        # The one sum a tensor-parallel block reduces.
+        return x + gate_attn * a + gate_mlp * m
+
+
+def timestep_embedding(noise_level: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of noise levels in [0, 1] -> (..., dim)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32, device=noise_level.device) / half)
+    args = (noise_level.float() * 1000.0).unsqueeze(-1) * freqs
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class CausalVideoDiT(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        d = spec.dim
+        self.patch_embed = nn.Linear(spec.patch_dim, d)
+        self.audio_embed = nn.Linear(spec.audio_window * spec.n_mels, spec.audio_tokens * d)
+        self.reference_embed = nn.Parameter(torch.zeros(d))  # marks sink tokens as the reference
+        self.time_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
+        self.time_proj = nn.Sequential(nn.SiLU(), nn.Linear(d, 4 * d))
+        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_blocks))
+        self.head_norm = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.head_mod = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
+        self.head = nn.Linear(d, spec.patch_dim)
+
+    # Tokens ------------------------------------------------------------------
+    def patchify(self, latent: torch.Tensor) -> torch.Tensor:
+        """(C, h, w) -> (gh*gw, C*p*p)"""
+        p = self.spec.patch
+        c, h, w = latent.shape
+        x = latent.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4)
+        return x.reshape((h // p) * (w // p), c * p * p)
+
+    def unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(gh*gw, C*p*p) -> (C, h, w)"""
+        p, c = self.spec.patch, self.spec.latent_channels
+        gh, gw = self.spec.token_grid
+        x = tokens.reshape(gh, gw, c, p, p).permute(2, 0, 3, 1, 4)
+        return x.reshape(c, gh * p, gw * p)
+
+    def frame_tokens(self, latent: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """Noisy latent (C, h, w) + audio features (audio_window, n_mels) -> (frame_tokens, dim)."""
+        video = self.patch_embed(self.patchify(latent))
+        audio = self.audio_embed(audio.reshape(-1)).reshape(self.spec.audio_tokens, self.spec.dim)
+        return torch.cat([video, audio], dim=0)
+
+    def reference_tokens(self, reference_latent: torch.Tensor) -> torch.Tensor:
+        """Clean reference latent (C, h, w) -> (reference_tokens, dim) on the reference grid."""
+        rh, rw = self.spec.reference_grid
+        if (rh, rw) != self.spec.token_grid:
+            p = self.spec.patch
+            reference_latent = F.interpolate(reference_latent[None], size=(rh * p, rw * p), mode="area")[0]
+        return self.patch_embed(self.patchify(reference_latent)) + self.reference_embed
+
+    def time_modulation(self, noise_level: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.time_mlp(timestep_embedding(noise_level, self.spec.dim).to(self.head.weight.dtype))
+        return self.time_proj(t).reshape(4, self.spec.dim), self.head_mod(t).reshape(2, self.spec.dim)
+
+    # Passes ------------------------------------------------------------------
+    def run_blocks(self, x: torch.Tensor, noise_level: torch.Tensor, attend: Attend) -> torch.Tensor:
+        mod, head_mod = self.time_modulation(noise_level)
+        for i, block in enumerate(self.blocks):
+            x = block(x, mod, lambda q, k, v, i=i: attend(i, q, k, v))
+        shift, scale = head_mod.unbind(0)
+        return self.head(modulate(self.head_norm(x), shift, scale))
+
+    def forward(self, latent: torch.Tensor, noise_level: torch.Tensor, audio: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """One pass: noisy latent (C, h, w) at noise_level () -> velocity (C, h, w)."""
+        x = self.frame_tokens(latent, audio)
+        out = self.run_blocks(x, noise_level, attend)
+        return self.unpatchify(out[: self.spec.video_tokens])
+
+    def encode_reference(self, reference_latent: torch.Tensor, attend: Attend) -> None:
+        """Run the clean reference through the blocks; `attend` stores each layer's K/V as the sink."""
+        x = self.reference_tokens(reference_latent)
+        zero = torch.zeros((), device=x.device)
+        self.run_blocks(x, zero, attend)
+
+
+def count_parameters(spec: ModelSpec) -> int:
+    """Parameters of a model of this spec, counted without allocating it."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in CausalVideoDiT(spec).parameters())
+
+
+def build_model(spec: ModelSpec, *, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> CausalVideoDiT:
+    """A model with deterministic random weights (checkpoints overwrite them)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = CausalVideoDiT(spec)
+    return model.to(device=device, dtype=dtype).eval()

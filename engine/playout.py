@@ -1,0 +1,133 @@
+"""Playout buffer: releases frames on the 24 fps clock and absorbs slow steps.
+
+The engine makes frames in bursts (4 per step); viewers need one every 1/24 s. The
+buffer holds the engine's lead: playback starts once `prebuffer` frames wait, the
+engine starts a step only while no more than `max_lead` frames wait (so latency stays
+bounded), and a step may take as long as the waiting frames last: with `max_lead`
+frames waiting, up to max_lead / fps seconds (7 frames: 292 ms, enough for the seed's
+263 ms reset step).
+
+If a frame is due and none waits, that is an underrun: the picture holds, the
+buffer refills to `prebuffer` and the clock restarts from there. The clock is
+injectable so the behaviour can be checked without sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class PlayoutStats:
+    released: int = 0
+    underruns: int = 0
+    depth: int = 0
+    first_release: float | None = None
+    last_release: float | None = None
+
+    def fps(self, now: float | None = None) -> float:
+        """Average release rate since the first frame played."""
+        if self.first_release is None or self.released < 2:
+            return 0.0
+        end = now if now is not None else self.last_release
+        span = end - self.first_release
+        return (self.released - 1) / span if span > 0 else 0.0
+
+
+class PlayoutBuffer:
+    def __init__(self, fps: float = 24.0, prebuffer: int = 4, max_lead: int = 7,
+                 clock: Callable[[], float] = time.monotonic):
+        if fps <= 0:
+            raise ValueError(f"fps must be positive, got {fps}")
+        if prebuffer < 1 or max_lead < prebuffer:
+            raise ValueError(f"need 1 <= prebuffer <= max_lead, got prebuffer={prebuffer}, max_lead={max_lead}")
+        self.period = 1.0 / fps
+        self.prebuffer, self.max_lead = prebuffer, max_lead
+        self.clock = clock
+        self.frames: deque[Any] = deque()
+        self.next_due: float | None = None  # None while (re)buffering
+        self.stats = PlayoutStats()
+        self.closed = False
+        self._cond = threading.Condition()
+
+    # Producer side ---------------------------------------------------------------
+    def put(self, frames: list[Any]) -> None:
+        with self._cond:
+            self.frames.extend(frames)
+            self.stats.depth = len(self.frames)
+            if self.next_due is None and len(self.frames) >= self.prebuffer:
+                self.next_due = self.clock()
+            self._cond.notify_all()
+
+    def has_room(self) -> bool:
+        """True when the engine may start its next step."""
+        return len(self.frames) <= self.max_lead
+
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Block until the engine may start a step (or the buffer closes). Real-clock use only."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self.closed and not self.has_room():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(timeout=min(self.period, remaining) if remaining else self.period)
+            return not self.closed
+
+    def map_waiting(self, fn: Callable[[Any], Any]) -> None:
+        """Rewrite frames not yet released (e.g. silence their audio on barge-in)."""
+        with self._cond:
+            self.frames = deque(fn(f) for f in self.frames)
+
+    # Consumer side ---------------------------------------------------------------
+    def pop_due(self, now: float | None = None) -> list[Any]:
+        """Frames whose release time has come, in order; counts underruns."""
+        now = self.clock() if now is None else now
+        out = []
+        with self._cond:
+            while self.next_due is not None and now >= self.next_due:
+                if not self.frames:
+                    self.stats.underruns += 1
+                    self.next_due = None  # hold the picture and refill
+                    break
+                out.append(self.frames.popleft())
+                if self.stats.first_release is None:
+                    self.stats.first_release = self.next_due
+                self.stats.last_release = self.next_due
+                self.stats.released += 1
+                self.next_due += self.period
+            if self.next_due is None and len(self.frames) >= self.prebuffer:
+                self.next_due = now
+            self.stats.depth = len(self.frames)
+            if out:
+                self._cond.notify_all()
+        return out
+
+    def next_release(self) -> float | None:
+        with self._cond:
+            return self.next_due
+
+    def get(self, timeout: float = 1.0) -> list[Any]:
+        """Block (on the real clock) until at least one frame is due; [] on timeout or close."""
+        deadline = time.monotonic() + timeout
+        while not self.closed:
+            due = self.pop_due()
+            if due:
+                return due
+            nxt = self.next_release()
+            now = self.clock()
+            wait = (nxt - now) if nxt is not None else self.period
+            if time.monotonic() + max(wait, 0) > deadline:
+                return []
+            with self._cond:
+                self._cond.wait(timeout=max(min(wait, self.period), 0.001))
+        return []
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()

@@ -1,0 +1,178 @@
+"""The real-time character: a loop that never stops stepping, and synchronized A/V out.
+
+In the spirit of LiveKit's avatar VideoGenerator:
+
+    character = RealtimeCharacter(session, codec)
+    character.start()
+    character.push_audio(pcm, sample_rate)   # speech to say; placed at the next frame not yet made
+    character.clear()                        # barge-in: drop speech not yet played
+    for frame in character.frames():         # AVFrame: RGB, its 1/24 s of audio, speaking flag
+        ...
+    character.stop()
+
+While nobody speaks the engine steps on silence, so the frame clock never stops. Each
+frame carries exactly the audio it was generated from, so picture and sound leave the
+playout buffer together.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from engine.audio import SAMPLE_RATE, frame_sample, log_mel_frames, to_mono_16k
+from engine.decoder import Codec
+from engine.playout import PlayoutBuffer
+from engine.session import EngineSession
+
+_SPEECH_RMS = 1e-4  # below this a frame's audio counts as silence
+
+
+@dataclass(frozen=True)
+class AVFrame:
+    index: int  # video frame number in the session
+    rgb: np.ndarray  # (H, W, 3) uint8
+    pcm: np.ndarray  # (samples,) float32 at 16 kHz: this frame's 1/fps s of audio
+    speaking: bool
+
+
+class AudioTimeline:
+    """16 kHz PCM laid on the video frame clock; silence wherever nothing was pushed."""
+
+    def __init__(self, fps: int):
+        self.fps = fps
+        self.start_frame = 0  # frame whose first sample is self.pcm[0]
+        self.pcm = np.zeros(0, dtype=np.float32)
+        self.speech_end = 0  # sample after the last pushed speech
+
+    def _offset(self, sample: int) -> int:
+        return sample - frame_sample(self.start_frame, self.fps)
+
+    def push(self, pcm: np.ndarray, not_before_frame: int) -> int:
+        """Append speech after what was pushed before (not earlier than a frame); returns its first frame."""
+        start = max(self.speech_end, frame_sample(not_before_frame, self.fps))
+        end = start + pcm.size
+        need = self._offset(end)
+        if need > self.pcm.size:
+            self.pcm = np.concatenate([self.pcm, np.zeros(need - self.pcm.size, np.float32)])
+        self.pcm[self._offset(start):need] = pcm
+        self.speech_end = end
+        return int(start * self.fps // SAMPLE_RATE)
+
+    def clear_from(self, frame: int) -> None:
+        """Silence everything from `frame` on."""
+        cut = max(self._offset(frame_sample(frame, self.fps)), 0)
+        self.pcm = self.pcm[:cut]
+        self.speech_end = min(self.speech_end, frame_sample(frame, self.fps))
+
+    def frame_pcm(self, frame: int) -> np.ndarray:
+        a, b = self._offset(frame_sample(frame, self.fps)), self._offset(frame_sample(frame + 1, self.fps))
+        out = np.zeros(b - a, np.float32)
+        lo, hi = max(a, 0), min(b, self.pcm.size)
+        if hi > lo:
+            out[lo - a:hi - a] = self.pcm[lo:hi]
+        return out
+
+    def features(self, first_frame: int, n_frames: int, n_mels: int) -> torch.Tensor:
+        return log_mel_frames(self.pcm, n_mels, first_frame, n_frames, self.fps, pcm_start_frame=self.start_frame)
+
+    def drop_before(self, frame: int) -> None:
+        if frame > self.start_frame:
+            cut = min(self._offset(frame_sample(frame, self.fps)), self.pcm.size)
+            self.pcm = self.pcm[cut:]
+            self.start_frame = frame
+
+
+class RealtimeCharacter:
+    def __init__(self, session: EngineSession, codec: Codec, *, playout: PlayoutBuffer | None = None):
+        self.session, self.codec, self.spec = session, codec, session.spec
+        self.playout = playout or PlayoutBuffer(fps=self.spec.fps)
+        self.timeline = AudioTimeline(self.spec.fps)
+        self.step_seconds: deque[float] = deque(maxlen=1024)
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._running = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # Control ---------------------------------------------------------------------
+    def start(self) -> None:
+        if not self.session.started:
+            raise ValueError("start the engine session with a reference before the character")
+        self._running.set()
+        self._thread = threading.Thread(target=self._loop, name="talkloop-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running.clear()
+        self.playout.close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
+        """Queue speech (any rate, mono or (samples, channels)); it starts at the next frame not yet made."""
+        pcm = to_mono_16k(pcm, sample_rate)
+        with self._lock:
+            self.timeline.push(pcm, self.session.next_frame)
+
+    def clear(self) -> None:
+        """Barge-in: speech not yet made is dropped, frames already waiting go silent."""
+        with self._lock:
+            self.timeline.clear_from(self.session.next_frame)
+        self.playout.map_waiting(lambda f: replace(f, pcm=np.zeros_like(f.pcm), speaking=False))
+
+    # Engine loop -------------------------------------------------------------------
+    def make_step(self) -> list[AVFrame]:
+        """One engine step: 4 frames with their audio (also usable without the loop thread)."""
+        s, spec = self.session, self.spec
+        first = s.next_frame
+        with self._lock:
+            window_start = first - spec.audio_context
+            s.push_audio_features(self.timeline.features(window_start, spec.audio_window, spec.n_mels), window_start)
+            pcms = [self.timeline.frame_pcm(first + i) for i in range(spec.frames_per_latent)]
+            self.timeline.drop_before(first + spec.frames_per_latent - spec.audio_context - 1)
+        t0 = time.perf_counter()
+        rgb = self.codec.decode(s.step()).cpu().numpy()
+        self.step_seconds.append(time.perf_counter() - t0)
+        return [
+            AVFrame(first + i, rgb[i], pcm, bool(np.sqrt(np.mean(pcm**2)) > _SPEECH_RMS))
+            for i, pcm in enumerate(pcms)
+        ]
+
+    def _loop(self) -> None:
+        try:
+            while self._running.is_set():
+                if not self.playout.wait_for_room(timeout=0.5):
+                    continue
+                self.playout.put(self.make_step())
+        except BaseException as e:  # surfaced to the consumer by frames()
+            self.error = e
+            self.playout.close()
+
+    def frames(self, timeout: float = 5.0) -> Iterator[AVFrame]:
+        """Frames on the 24 fps clock until stop(); raises if the engine loop died."""
+        while True:
+            batch = self.playout.get(timeout=timeout)
+            if self.error is not None:
+                raise RuntimeError(f"engine loop died: {self.error!r}") from self.error
+            if not batch and self.playout.closed:
+                return
+            yield from batch
+
+    def stats(self) -> dict:
+        steps = sorted(self.step_seconds)
+        pick = (lambda q: 1000 * steps[min(int(q * len(steps)), len(steps) - 1)]) if steps else (lambda q: 0.0)
+        return {
+            "steps": self.session.steps_done,
+            "step_ms_p50": pick(0.5),
+            "step_ms_p95": pick(0.95),
+            "fps": self.playout.stats.fps(),
+            "underruns": self.playout.stats.underruns,
+            "buffer_depth": self.playout.stats.depth,
+            "device": str(self.session.device),
+        }

@@ -1,0 +1,143 @@
+"""The engine session: a reference frame in, audio features pushed, one latent frame per step.
+
+    session = EngineSession(model, cache="ring", kv_dtype="fp8", seed=0)
+    session.start(reference_latent)                 # (C, h, w): the character
+    session.push_audio_features(feats)              # (n_frames, n_mels), one row per video frame
+    latent = session.step()                         # (C, h, w): video frames 4t .. 4t+3
+
+Sampling is rectified flow with Euler passes: x_1 is noise, the model predicts the
+velocity (noise - data), and `passes` steps walk the noise level from 1 to 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.audio import silence_features
+from engine.cache import ReferenceKVCache, RingKVCache
+from engine.model import CausalVideoDiT
+
+CACHES = ("ring", "reference")
+
+
+def noise_levels(passes: int, shift: float = 1.0) -> list[float]:
+    """Noise levels from 1 to 0 (passes + 1 of them); shift > 1 spends more passes at high noise."""
+    levels = [1.0 - i / passes for i in range(passes + 1)]
+    return [shift * t / (1.0 + (shift - 1.0) * t) for t in levels]
+
+
+class EngineSession:
+    def __init__(
+        self,
+        model: CausalVideoDiT,
+        *,
+        cache: str = "ring",
+        kv_dtype: str = "fp8",
+        reset_every: int | None = None,
+        seed: int = 0,
+        shift: float = 1.0,
+    ):
+        if cache not in CACHES:
+            raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+        self.model, self.spec = model, model.spec
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if cache == "ring":
+            self.cache = RingKVCache(
+                self.spec,
+                [b.k_norm.weight for b in model.blocks],
+                [b.v_norm.weight for b in model.blocks],
+                kv_dtype=kv_dtype,
+                reset_every=reset_every,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        else:
+            self.cache = ReferenceKVCache(self.spec, dtype=self.dtype, device=self.device)
+        self.levels = torch.tensor(noise_levels(self.spec.passes, shift), dtype=torch.float32, device=self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.steps_done = 0
+        self.started = False
+        self._silence = silence_features(self.spec.n_mels).to(self.device, self.dtype)
+        self._features = torch.empty(0, self.spec.n_mels, device=self.device, dtype=self.dtype)
+        self._features_start = -self.spec.audio_context  # video frame of self._features[0]
+
+    @property
+    def next_frame(self) -> int:
+        """First video frame the next step makes."""
+        return self.steps_done * self.spec.frames_per_latent
+
+    @torch.no_grad()
+    def start(self, reference_latent: torch.Tensor) -> None:
+        """Fill the sink with the reference (character) latent frame (C, h, w)."""
+        s = self.spec
+        expected = (s.latent_channels, *s.latent_grid)
+        if not isinstance(reference_latent, torch.Tensor) or tuple(reference_latent.shape) != expected:
+            shape = tuple(reference_latent.shape) if isinstance(reference_latent, torch.Tensor) else type(reference_latent).__name__
+            raise ValueError(f"reference latent must have shape {expected} for spec {s.name}, got {shape}")
+        if not torch.isfinite(reference_latent).all():
+            raise ValueError("reference latent contains NaN or infinite values")
+        if self.started:
+            raise ValueError("session already started; make a new session for a new character")
+        self.model.encode_reference(reference_latent.to(self.device, self.dtype), self.cache.reference_attend)
+        self.started = True
+
+    def push_audio_features(self, features: torch.Tensor, start_frame: int | None = None) -> None:
+        """Audio features (n, n_mels) for video frames start_frame .. start_frame + n - 1.
+
+        start_frame defaults to the end of what was pushed before (or the next frame to
+        make, if that is later). Rows may overwrite frames not yet consumed; frames left
+        without features are treated as silence.
+        """
+        features = torch.as_tensor(features)
+        if features.ndim != 2 or features.shape[1] != self.spec.n_mels:
+            raise ValueError(f"audio features must have shape (frames, {self.spec.n_mels}), got {tuple(features.shape)}")
+        if not torch.isfinite(features).all():
+            raise ValueError("audio features contain NaN or infinite values")
+        end = self._features_start + self._features.shape[0]
+        if start_frame is None:
+            start_frame = max(end, self.next_frame)
+        first_needed = self.next_frame - self.spec.audio_context
+        if start_frame < first_needed:
+            raise ValueError(f"audio features for frame {start_frame} arrive too late: frames before {first_needed} are consumed")
+        features = features.to(self.device, self.dtype)
+        if start_frame > end:  # a gap is silence
+            gap = self._silence.expand(start_frame - end, -1)
+            self._features = torch.cat([self._features, gap])
+            end = start_frame
+        offset = start_frame - self._features_start
+        keep = self._features[:offset]
+        tail = self._features[offset + features.shape[0]:]
+        self._features = torch.cat([keep, features, tail])
+
+    def _audio_window(self) -> torch.Tensor:
+        """(audio_window, n_mels) features of frames [4t - ctx, 4t + 4 + ctx), silence where missing."""
+        first = self.next_frame - self.spec.audio_context
+        rows = []
+        for f in range(first, first + self.spec.audio_window):
+            i = f - self._features_start
+            rows.append(self._features[i] if 0 <= i < self._features.shape[0] else self._silence)
+        return torch.stack(rows)
+
+    def _drop_consumed_features(self) -> None:
+        first_needed = self.next_frame - self.spec.audio_context
+        drop = max(0, first_needed - self._features_start)
+        self._features = self._features[drop:]
+        self._features_start += drop
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """Denoise the next latent frame (C, h, w)."""
+        if not self.started:
+            raise ValueError("session not started: call start(reference_latent) first")
+        s = self.spec
+        audio = self._audio_window()
+        self.cache.begin_step(self.steps_done)
+        x = torch.randn((s.latent_channels, *s.latent_grid), generator=self.generator, device=self.device).to(self.dtype)
+        for i in range(s.passes):
+            v = self.model(x, self.levels[i], audio, self.cache.attend)
+            x = x + (self.levels[i + 1] - self.levels[i]).to(self.dtype) * v
+        self.cache.end_step()
+        self.steps_done += 1
+        self._drop_consumed_features()
+        return x
