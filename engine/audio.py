@@ -38,6 +38,11 @@ def frame_sample(frame: int, fps: int = 24) -> int:
     return round(frame * SAMPLE_RATE / fps)
 
 
+def frame_of_sample(sample: int, fps: int = 24) -> int:
+    """The video frame whose span holds `sample` (inverse of frame_sample)."""
+    return math.floor((sample + 0.5) * fps / SAMPLE_RATE)
+
+
 def mel_filterbank(n_mels: int, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE, fmin: float = 20.0, fmax: float = 7600.0) -> torch.Tensor:
     """Triangular HTK-mel filters (n_mels, n_fft // 2 + 1)."""
     def to_mel(f):

@@ -145,3 +145,10 @@ def get_spec(name: str) -> ModelSpec:
         return SPECS[name]
     except KeyError:
         raise ValueError(f"unknown spec {name!r}; known specs: {', '.join(SPECS)}") from None
+
+
+def shard_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The shape one tensor-parallel rank holds: heads and MLP split `tp` ways."""
+    if tp < 1 or spec.n_heads % tp or spec.mlp_hidden % tp:
+        raise ValueError(f"spec {spec.name}: tensor-parallel degree {tp} must divide n_heads {spec.n_heads} and mlp_hidden {spec.mlp_hidden}")
+    return replace(spec, dim=spec.dim // tp, n_heads=spec.n_heads // tp, mlp_hidden=spec.mlp_hidden // tp)

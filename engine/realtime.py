@@ -26,7 +26,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from engine.audio import SAMPLE_RATE, frame_sample, log_mel_frames, to_mono_16k
+from engine.audio import frame_of_sample, frame_sample, log_mel_frames, to_mono_16k
 from engine.decoder import Codec
 from engine.playout import PlayoutBuffer
 from engine.session import EngineSession
@@ -63,7 +63,7 @@ class AudioTimeline:
             self.pcm = np.concatenate([self.pcm, np.zeros(need - self.pcm.size, np.float32)])
         self.pcm[self._offset(start):need] = pcm
         self.speech_end = end
-        return int(start * self.fps // SAMPLE_RATE)
+        return frame_of_sample(start, self.fps)
 
     def clear_from(self, frame: int) -> None:
         """Silence everything from `frame` on."""

@@ -1,0 +1,109 @@
+"""Session API: shapes, determinism, audio-feature timeline and bad input."""
+
+import pytest
+import torch
+
+from engine.config import get_spec, shard_spec
+from engine.session import EngineSession, noise_levels
+from tests.helpers import TINY, reference_latent, run_session, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_step_shape_and_finite(model):
+    out = run_session(model, 3)
+    assert out.shape == (3, TINY.latent_channels, *TINY.latent_grid)
+    assert torch.isfinite(out).all()
+
+
+def test_deterministic_under_seed(model):
+    a = run_session(model, 6, seed=11)
+    b = run_session(model, 6, seed=11)
+    c = run_session(model, 6, seed=12)
+    assert torch.equal(a, b)
+    assert (a - c).abs().max() > 1e-2
+
+
+def test_noise_levels_run_from_one_to_zero():
+    levels = noise_levels(4)
+    assert levels[0] == 1.0 and levels[-1] == 0.0 and len(levels) == 5
+    assert all(a > b for a, b in zip(levels, levels[1:]))
+    shifted = noise_levels(4, shift=3.0)
+    assert shifted[0] == 1.0 and shifted[-1] == 0.0 and shifted[2] > levels[2]
+
+
+def test_audio_features_condition_the_frames(model):
+    quiet = EngineSession(model, seed=1)
+    loud = EngineSession(model, seed=1)
+    for s in (quiet, loud):
+        s.start(reference_latent())
+    loud.push_audio_features(torch.ones(4, TINY.n_mels))
+    assert (quiet.step() - loud.step()).abs().max() > 1e-3
+
+
+def test_feature_timeline_fills_gaps_with_silence_and_overwrites(model):
+    s = EngineSession(model)
+    s.start(reference_latent())
+    s.push_audio_features(torch.ones(2, TINY.n_mels), start_frame=3)
+    window = s._audio_window()  # frames -1 .. 4
+    assert torch.equal(window[0], s._silence) and torch.equal(window[3], s._silence)
+    assert torch.equal(window[4], torch.ones(TINY.n_mels))
+    s.push_audio_features(torch.zeros(1, TINY.n_mels), start_frame=3)
+    assert torch.equal(s._audio_window()[4], torch.zeros(TINY.n_mels))
+    s.step()
+    with pytest.raises(ValueError, match="too late"):
+        s.push_audio_features(torch.zeros(1, TINY.n_mels), start_frame=0)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (torch.zeros(3, 4, 4), "shape"),
+        (torch.zeros(4, 5, 4), "shape"),
+        (torch.full((4, 4, 4), float("nan")), "NaN"),
+        ([[0.0]], "shape"),
+    ],
+)
+def test_start_rejects_bad_reference(model, bad, message):
+    with pytest.raises(ValueError, match=message):
+        EngineSession(model).start(bad)
+
+
+def test_bad_session_use(model):
+    s = EngineSession(model)
+    with pytest.raises(ValueError, match="not started"):
+        s.step()
+    s.start(reference_latent())
+    with pytest.raises(ValueError, match="already started"):
+        s.start(reference_latent())
+    with pytest.raises(ValueError, match="shape"):
+        s.push_audio_features(torch.zeros(4, TINY.n_mels + 1))
+    with pytest.raises(ValueError, match="NaN"):
+        s.push_audio_features(torch.full((4, TINY.n_mels), float("inf")))
+    with pytest.raises(ValueError, match="cache"):
+        EngineSession(model, cache="paged")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        EngineSession(model, kv_dtype="int4")
+    with pytest.raises(ValueError, match="reset_every"):
+        EngineSession(model, reset_every=-1)
+    with pytest.raises(ValueError, match="one at a time"):
+        s.cache.begin_step(5)
+
+
+def test_specs():
+    with pytest.raises(ValueError, match="unknown spec"):
+        get_spec("characters-3b")
+    big = get_spec("characters-57b")
+    assert big.frame_tokens == 757 and big.video_tokens == 748 and big.cache_slots == 5788
+    assert big.n_blocks == 60 and big.passes == 4
+    assert all(big.n_heads % tp == 0 for tp in (2, 3, 4))
+    assert shard_spec(big, 3).n_heads == 20 and shard_spec(big, 3).head_dim == 128
+    demo = get_spec("demo")
+    assert demo.video_tokens == 256 and 8 <= demo.n_blocks <= 12
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        shard_spec(big, 7)
+    with pytest.raises(ValueError, match="sink_slots"):
+        TINY.with_(sink_slots=3)
