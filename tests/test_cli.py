@@ -1,0 +1,79 @@
+"""Command-line entry points: the cache benchmark and offline generation."""
+
+import json
+import subprocess
+import sys
+import wave
+
+import av
+import numpy as np
+import pytest
+
+from engine.audio import SAMPLE_RATE
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)
+
+
+def write_wav(path, seconds: float, rate: int = SAMPLE_RATE, channels: int = 1) -> None:
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.3 * np.sin(2 * np.pi * 200 * t) * (np.sin(2 * np.pi * 2 * t) > 0)
+    data = (np.repeat(x[:, None], channels, axis=1) * 32767).astype(np.int16)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(data.tobytes())
+
+
+def test_bench_cache_prints_one_json_object():
+    out = run("engine.bench", "cache", "--device", "cpu", "--json", "--repeats", "3")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert {"naive_ms", "ring_ms", "speedup", "reset_ms", "shape"} <= result.keys()
+    assert result["naive_ms"] > 0 and result["ring_ms"] > 0
+    assert result["speedup"] == pytest.approx(result["naive_ms"] / result["ring_ms"])
+
+
+def test_generate_writes_a_playable_mp4_with_audio(tmp_path):
+    wav, mp4 = tmp_path / "in.wav", tmp_path / "out.mp4"
+    write_wav(wav, 1.0, rate=22_050, channels=2)
+    out = run("engine.generate", "--spec", "demo", "--audio", str(wav), "--out", str(mp4), "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    assert "random weights" in out.stderr
+    report = json.loads(out.stdout)
+    assert report["frames"] == 24
+    with av.open(str(mp4)) as c:
+        kinds = sorted(s.type for s in c.streams)
+        assert kinds == ["audio", "video"]
+        video = c.streams.video[0]
+        assert (video.height, video.width) == (256, 256)
+        frames = sum(1 for _ in c.decode(video=0))
+    assert frames == 24
+    with av.open(str(mp4)) as c:
+        samples = sum(f.samples for f in c.decode(audio=0))
+    assert abs(samples / SAMPLE_RATE - 1.0) < 0.15
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--spec", "nope"], "invalid choice"),
+        (["--audio", "/nonexistent.wav"], "not found"),
+        (["--audio", "{junk}"], "cannot decode"),
+        (["--audio", "{empty}"], "no audio"),
+    ],
+)
+def test_generate_bad_input(tmp_path, args, message):
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"RIFF....WAVEnot really")
+    empty = tmp_path / "empty.wav"
+    write_wav(empty, 0.0)
+    args = [a.format(junk=junk, empty=empty) for a in args]
+    base = {"--spec": "tiny", "--audio": str(empty), "--out": str(tmp_path / "o.mp4")}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    out = run("engine.generate", *[x for kv in base.items() for x in kv])
+    assert out.returncode != 0
+    assert message in out.stderr

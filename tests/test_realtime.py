@@ -1,0 +1,93 @@
+"""The real-time character: audio and frames in sync, barge-in, the loop thread."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.audio import SAMPLE_RATE, frame_sample
+from engine.decoder import StandInCodec
+from engine.playout import PlayoutBuffer
+from engine.realtime import RealtimeCharacter
+from engine.session import EngineSession
+from tests.helpers import TINY, reference_latent, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def make_character(model, **kw) -> RealtimeCharacter:
+    session = EngineSession(model, seed=2)
+    session.start(reference_latent())
+    return RealtimeCharacter(session, StandInCodec(TINY), **kw)
+
+
+def speech(seconds: float) -> np.ndarray:
+    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
+    return (0.2 * np.sin(2 * np.pi * 180 * t) + 0.01).astype(np.float32)
+
+
+def test_frames_carry_exactly_the_audio_they_were_made_from(model):
+    character = make_character(model)
+    pcm = speech(0.5)  # 12 frames
+    character.push_audio(pcm, SAMPLE_RATE)
+    frames = [f for _ in range(4) for f in character.make_step()]
+    assert [f.index for f in frames] == list(range(16))
+    assert all(f.rgb.shape == (*TINY.image_size, 3) and f.rgb.dtype == np.uint8 for f in frames)
+    assert [f.speaking for f in frames] == [True] * 12 + [False] * 4
+    played = np.concatenate([f.pcm for f in frames])
+    assert played.size == frame_sample(16)
+    assert np.array_equal(played[: pcm.size], pcm) and not played[pcm.size:].any()
+
+
+def test_speech_pushed_mid_session_starts_at_the_next_frame_to_make(model):
+    character = make_character(model)
+    character.make_step()
+    character.push_audio(np.stack([speech(0.2)] * 2, axis=1), SAMPLE_RATE)  # stereo is mixed down
+    frames = character.make_step()
+    assert frames[0].index == 4 and frames[0].speaking
+
+
+def test_barge_in_silences_waiting_frames_and_drops_unmade_speech(model):
+    character = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=16))
+    character.push_audio(speech(2.0), SAMPLE_RATE)
+    character.playout.put(character.make_step())
+    character.clear()
+    waiting = list(character.playout.frames)
+    assert waiting and not any(f.speaking or f.pcm.any() for f in waiting)
+    assert not any(f.speaking for f in character.make_step())
+
+
+def test_loop_thread_streams_frames_in_order_and_stops(model):
+    character = make_character(model)
+    character.start()
+    frames = []
+    for frame in character.frames(timeout=10):
+        frames.append(frame)
+        if len(frames) == 12:
+            break
+    character.stop()
+    assert [f.index for f in frames] == list(range(12))
+    stats = character.stats()
+    assert stats["steps"] >= 3 and stats["step_ms_p50"] > 0
+    assert list(character.frames(timeout=0.2)) == []
+
+
+def test_a_dying_engine_is_reported_not_hidden(model):
+    class BrokenCodec(StandInCodec):
+        def decode(self, latent):
+            raise RuntimeError("decoder out of memory")
+
+    session = EngineSession(model)
+    session.start(reference_latent())
+    character = RealtimeCharacter(session, BrokenCodec(TINY))
+    character.start()
+    with pytest.raises(RuntimeError, match="engine loop died"):
+        next(character.frames(timeout=5))
+    character.stop()
+
+
+def test_character_needs_a_started_session(model):
+    with pytest.raises(ValueError, match="reference"):
+        RealtimeCharacter(EngineSession(model), StandInCodec(TINY)).start()
