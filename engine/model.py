@@ -37,7 +37,7 @@ class HeadRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(n_heads, head_dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (H, N, D)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., H, N, D)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float().unsqueeze(-2)).to(x.dtype)
@@ -62,12 +62,14 @@ class Block(nn.Module):
         self.modulation = nn.Parameter(torch.randn(4, spec.dim) / math.sqrt(spec.dim))
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, attend: Callable) -> torch.Tensor:
-        # x (N, dim); mod (4, dim) from the time projection
-        shift, scale, gate_attn, gate_mlp = (mod + self.modulation).unbind(0)
+        # x (..., N, dim); mod (4, dim) for one noise level, or (4, ..., N, dim) per token
+        table = self.modulation.view(4, *([1] * (mod.ndim - 2)), -1)
+        shift, scale, gate_attn, gate_mlp = (mod + table).unbind(0)
         h = modulate(self.norm(x), shift, scale)
-        q, k, v = self.qkv(h).unflatten(-1, (3, self.n_heads, self.head_dim)).permute(1, 2, 0, 3)  # 3x (H, N, D)
-        a = attend(self.q_norm(q), self.k_norm(k), self.v_norm(v))  # (H, N, D)
-        a = self.attn_out(a.transpose(0, 1).flatten(-2))
+        qkv = self.qkv(h).unflatten(-1, (3, self.n_heads, self.head_dim)).transpose(-3, -4)  # (..., 3, N, H, D)
+        q, k, v = qkv.transpose(-2, -3).unbind(-4)  # 3x (..., H, N, D)
+        a = attend(self.q_norm(q), self.k_norm(k), self.v_norm(v))  # (..., H, N, D)
+        a = self.attn_out(a.transpose(-2, -3).flatten(-2))
         gate, up = self.mlp_in(h).chunk(2, dim=-1)
         m = self.mlp_out(F.silu(gate) * up)
         # The one sum a tensor-parallel block reduces.
@@ -99,24 +101,27 @@ class CausalVideoDiT(nn.Module):
 
     # Tokens ------------------------------------------------------------------
     def patchify(self, latent: torch.Tensor) -> torch.Tensor:
-        """(C, h, w) -> (gh*gw, C*p*p)"""
+        """(..., C, h, w) -> (..., gh*gw, C*p*p)"""
         p = self.spec.patch
-        c, h, w = latent.shape
-        x = latent.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4)
-        return x.reshape((h // p) * (w // p), c * p * p)
+        *lead, c, h, w = latent.shape
+        x = latent.reshape(*lead, c, h // p, p, w // p, p)
+        x = x.permute(*range(len(lead)), -4, -2, -5, -3, -1)  # (..., gh, gw, C, p, p)
+        return x.reshape(*lead, (h // p) * (w // p), c * p * p)
 
     def unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(gh*gw, C*p*p) -> (C, h, w)"""
+        """(..., gh*gw, C*p*p) -> (..., C, h, w)"""
         p, c = self.spec.patch, self.spec.latent_channels
         gh, gw = self.spec.token_grid
-        x = tokens.reshape(gh, gw, c, p, p).permute(2, 0, 3, 1, 4)
-        return x.reshape(c, gh * p, gw * p)
+        lead = tokens.shape[:-2]
+        x = tokens.reshape(*lead, gh, gw, c, p, p)
+        x = x.permute(*range(len(lead)), -3, -5, -2, -4, -1)  # (..., C, gh, p, gw, p)
+        return x.reshape(*lead, c, gh * p, gw * p)
 
     def frame_tokens(self, latent: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        """Noisy latent (C, h, w) + audio features (audio_window, n_mels) -> (frame_tokens, dim)."""
+        """Noisy latent (..., C, h, w) + audio features (..., audio_window, n_mels) -> (..., frame_tokens, dim)."""
         video = self.patch_embed(self.patchify(latent))
-        audio = self.audio_embed(audio.reshape(-1)).reshape(self.spec.audio_tokens, self.spec.dim)
-        return torch.cat([video, audio], dim=0)
+        audio = self.audio_embed(audio.flatten(-2)).unflatten(-1, (self.spec.audio_tokens, self.spec.dim))
+        return torch.cat([video, audio], dim=-2)
 
     def reference_tokens(self, reference_latent: torch.Tensor) -> torch.Tensor:
         """Clean reference latent (C, h, w) -> (reference_tokens, dim) on the reference grid."""
@@ -127,8 +132,11 @@ class CausalVideoDiT(nn.Module):
         return self.patch_embed(self.patchify(reference_latent)) + self.reference_embed
 
     def time_modulation(self, noise_level: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Noise level () or per token (..., N) -> block modulation (4, ..., dim) and head modulation (2, ..., dim)."""
         t = self.time_mlp(timestep_embedding(noise_level, self.spec.dim).to(self.head.weight.dtype))
-        return self.time_proj(t).reshape(4, self.spec.dim), self.head_mod(t).reshape(2, self.spec.dim)
+        block = self.time_proj(t).unflatten(-1, (4, self.spec.dim)).movedim(-2, 0)
+        head = self.head_mod(t).unflatten(-1, (2, self.spec.dim)).movedim(-2, 0)
+        return block, head
 
     # Passes ------------------------------------------------------------------
     def run_blocks(self, x: torch.Tensor, noise_level: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -142,7 +150,7 @@ class CausalVideoDiT(nn.Module):
         """One pass: noisy latent (C, h, w) at noise_level () -> velocity (C, h, w)."""
         x = self.frame_tokens(latent, audio)
         out = self.run_blocks(x, noise_level, attend)
-        return self.unpatchify(out[: self.spec.video_tokens])
+        return self.unpatchify(out[..., : self.spec.video_tokens, :])
 
     def encode_reference(self, reference_latent: torch.Tensor, attend: Attend) -> None:
         """Run the clean reference through the blocks; `attend` stores each layer's K/V as the sink."""
