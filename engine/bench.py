@@ -2,6 +2,8 @@
 
     python -m engine.bench cache --device cpu --json
     python -m engine.bench cache --device cuda --spec characters-57b --tp-shard 3 --json
+    python -m engine.bench step --spec characters-57b --tp-shard 3 --json
+    python -m engine.bench attention --json
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from typing import Callable
 import torch
 
 from engine import fp8
-from engine.cache import ReferenceKVCache, RingKVCache
+from engine.cache import ReferenceKVCache, RingKVCache, attention
 from engine.config import SPECS, ModelSpec, get_spec, shard_spec
+from engine.model import CausalVideoDiT
+from engine.parallel import shard_model_
 
 
 def _sync(device: torch.device) -> None:
@@ -102,12 +106,236 @@ def bench_cache(spec: ModelSpec, device: torch.device, dtype: torch.dtype, repea
     }
 
 
+def _device_name(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+
+
+def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Median time of `fn` replayed as a CUDA graph (no launch gaps), or eagerly on the CPU."""
+    if device.type != "cuda":
+        return statistics.median(time_ms(fn, device, repeats))
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = statistics.median(time_ms(graph.replay, device, repeats))
+    del graph
+    return ms
+
+
+@torch.no_grad()
+def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, *, fp8_gemms: bool, seed: int = 0) -> CausalVideoDiT:
+    """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device."""
+    from engine.kernels.fp8_linear import FP8Linear
+
+    with torch.device("meta"):
+        model = CausalVideoDiT(spec)
+    shard_model_(model, 0, tp)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.rand(p.shape, generator=g, device=device))
+        elif p.ndim == 2 and not name.endswith("modulation"):
+            p.normal_(0.0, p.shape[1] ** -0.5, generator=g)
+        else:
+            p.normal_(0.0, 0.02, generator=g)
+    model = model.to(dtype)
+    if fp8_gemms:
+        for block in model.blocks:
+            for name in ("qkv", "attn_out", "mlp_in", "mlp_out"):
+                setattr(block, name, FP8Linear(getattr(block, name)))
+    return model.eval()
+
+
+def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """Every block linear of one step (passes x blocks), on activations of the step's shape."""
+    F = spec.frame_tokens
+    b0 = model.blocks[0]
+    h = torch.randn(F, spec.dim, device=device, dtype=dtype)
+    a = torch.randn(F, b0.attn_out.in_features, device=device, dtype=dtype)
+    m = torch.randn(F, b0.mlp_out.in_features, device=device, dtype=dtype)
+
+    def run() -> None:
+        for _ in range(spec.passes):
+            for blk in model.blocks:
+                blk.qkv(h), blk.attn_out(a), blk.mlp_in(h), blk.mlp_out(m)
+
+    return run
+
+
+def _session_steps(session, steps: int, device: torch.device) -> list[float]:
+    out = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        session.step()
+        _sync(device)
+        out.append(1000 * (time.perf_counter() - t0))
+    return out
+
+
+@torch.no_grad()
+def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup: int, attention_options: dict | None) -> dict:
+    """One rank's step at tensor-parallel degree tp, communication left out: the serving path
+    (ring FP8 cache with write-time kernels, FP8 attention, FP8 GEMMs, CUDA graph) vs the
+    baseline (naive cache with read-time RoPE, SDPA in bf16, bf16 GEMMs, eager)."""
+    from engine.session import EngineSession
+
+    full = get_spec(spec_name)
+    rank_spec = shard_spec(full, tp)  # local heads for the cache; the residual width stays full
+    dtype = torch.bfloat16
+    ref_latent = torch.randn(full.latent_channels, *full.latent_grid, device=device, dtype=dtype)
+    audio = torch.randn(full.frames_per_latent, full.n_mels, device=device)
+    result: dict = {"bench": "step", "spec": full.name, "tp_shard": tp, "communication": "left out (one rank's compute only)",
+                    "device": _device_name(device), "torch": torch.__version__, "steps_timed": steps}
+    try:
+        import triton
+
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def run_config(fast: bool) -> dict:
+        torch.cuda.empty_cache()
+        model = random_shard(full, tp, device, dtype, fp8_gemms=fast)
+        torch.cuda.reset_peak_memory_stats(device)
+        if fast:
+            session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True,
+                                    attention_options=attention_options)
+        else:
+            session = EngineSession(model, cache="reference")
+        session.start(ref_latent)
+        for _ in range(warmup):
+            session.push_audio_features(audio)
+            session.step()
+        times, resets = [], []
+        while len(times) < steps or (fast and not resets):
+            session.push_audio_features(audio)
+            reset = fast and session.steps_done % session.cache.reset_every == 0
+            (resets if reset else times).extend(_session_steps(session, 1, device))
+            if len(times) > steps + 2 * full.reset_every:
+                break
+        out = {"step_ms": statistics.median(times), "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))],
+               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+        if resets:
+            out["reset_step_ms"] = statistics.median(resets)
+        # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
+        time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
+        out["gemm_ms"] = time_part(_gemms_of_a_step(model, full, device, dtype))
+        cache = session.cache
+        H, D, F = rank_spec.n_heads, full.head_dim, full.frame_tokens
+        q = torch.randn(H, F, D, device=device, dtype=dtype)
+        if fast:
+            from engine.kernels.rope_write import delta_rotate, rope_store, write_frame
+
+            L, Hh, S, _ = cache.k.shape
+
+            def upkeep() -> None:
+                rope_store(cache.sink_k.view(L * Hh, -1, D), cache._ref_cos, cache._ref_sin, cache.pos_idx,
+                           cache.k.view(L * Hh, S, D), cache.k_scale.view(-1))
+                for _ in range(full.passes):
+                    for layer in range(L):
+                        write_frame(q, q, q, cache._frame_cos, cache._frame_sin, cache.pos_idx, cache.slot, cache.q8,
+                                    cache.k[layer], cache.vt[layer], cache.valid, cache.q_scale[layer],
+                                    cache.k_scale[layer], cache.v_scale[layer])
+
+            def attend() -> None:
+                for _ in range(full.passes):
+                    for layer in range(L):
+                        cache.attention(cache.q8, cache.k[layer], cache.vt[layer], cache.valid, cache.qk_scale[layer],
+                                        cache.v_scale[layer], cache.out)
+
+            out["cache_upkeep_ms"] = time_part(upkeep)
+            out["attention_ms"] = time_part(attend)
+            out["reset_rotation_ms"] = statistics.median(time_ms(
+                lambda: delta_rotate(cache.k.view(L * Hh, S, D), cache._reset_cos_t, cache._reset_sin_t,
+                                     cache.k_scale.view(-1), full.sink_slots), device, 5))
+        else:
+            L = full.n_blocks
+            gathered = [cache.gather(layer, q, q) for layer in range(L)]
+
+            def upkeep() -> None:
+                for _ in range(full.passes):
+                    for layer in range(L):
+                        cache.gather(layer, q, q)
+
+            def attend() -> None:
+                for _ in range(full.passes):
+                    for layer in range(L):
+                        attention(q, *gathered[layer])
+
+            out["cache_upkeep_ms"] = time_part(upkeep)
+            out["attention_ms"] = time_part(attend)
+        out["other_ms"] = out["step_ms"] - out["gemm_ms"] - out["attention_ms"] - out["cache_upkeep_ms"]
+        del session, model, cache
+        return out
+
+    result["serving"] = run_config(True)
+    result["baseline"] = run_config(False)
+    result["speedup"] = result["baseline"]["step_ms"] / result["serving"]["step_ms"]
+    result["ratios"] = {k: result["baseline"][k] / result["serving"][k]
+                        for k in ("gemm_ms", "attention_ms", "cache_upkeep_ms") if result["serving"][k] > 0}
+    return result
+
+
+@torch.no_grad()
+def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int) -> dict:
+    """One attention call at the production shape: FP8 kernel configurations vs SDPA in bf16."""
+    from engine.kernels.fp8_attention import FP8Attention, attention_reference, qk_scale
+
+    spec = shard_spec(get_spec(spec_name), tp)
+    H, M, S, D = spec.n_heads, spec.frame_tokens, spec.cache_slots, spec.head_dim
+    g = torch.Generator(device=device).manual_seed(0)
+    rms = lambda *shape: (lambda x: x / x.pow(2).mean(-1, keepdim=True).sqrt())(torch.randn(*shape, generator=g, device=device))
+    scale = fp8.per_head_scale(torch.ones(H, D, device=device))
+    q, k, v = rms(H, M, D), rms(H, S, D), rms(H, S, D)
+    q8, k8, vt8 = fp8.quantize(q, scale), fp8.quantize(k, scale), fp8.quantize(v, scale).transpose(1, 2).contiguous()
+    valid = torch.ones(S, dtype=torch.int8, device=device)
+    qb, kb, vb = q.bfloat16()[None], k.bfloat16()[None], v.bfloat16()[None]
+    sdpa = statistics.median(time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb), device, repeats, 5))
+    ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
+    out = torch.empty(M, H * D, device=device, dtype=torch.bfloat16)
+    configs = []
+    for block_m in (64, 128):
+        for block_n in (64, 128):
+            for splits in (1, 2, 3):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        opts = dict(block_m=block_m, block_n=block_n, splits=splits, num_warps=warps, num_stages=stages)
+                        try:
+                            att = FP8Attention(H, M, S, D, device, **opts)
+                            fn = lambda: att(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
+                            ms = statistics.median(time_ms(fn, device, repeats, 3))
+                            err = ((out.float() - ref).norm() / ref.norm()).item()
+                        except Exception as e:  # a configuration the compiler rejects (shared memory, registers)
+                            configs.append({**opts, "error": type(e).__name__})
+                            continue
+                        configs.append({**opts, "us": 1000 * ms, "rel_err": err})
+    ok = [c for c in configs if "us" in c]
+    best = min(ok, key=lambda c: c["us"])
+    flops = 4 * H * M * S * D
+    return {"bench": "attention", "spec": spec_name, "tp_shard": tp, "shape": {"heads": H, "queries": M, "slots": S, "head_dim": D},
+            "device": _device_name(device), "torch": torch.__version__, "sdpa_bf16_us": 1000 * sdpa, "fp8_best": best,
+            "speedup": 1000 * sdpa / best["us"], "fp8_tflops": flops / best["us"] / 1e6, "sdpa_tflops": flops / sdpa / 1e9,
+            "configs": configs}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench", description="talkloop engine benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
     c = sub.add_parser("cache", help="per-step KV cache upkeep: naive vs ring")
-    for q in (c,):
-        q.add_argument("--spec", default="demo", choices=sorted(SPECS))
+    st = sub.add_parser("step", help="one rank's step of the 57b shape: serving path vs baseline, with a breakdown")
+    at = sub.add_parser("attention", help="one attention call at the production shape: FP8 kernel vs SDPA bf16")
+    st.add_argument("--steps", type=int, default=20)
+    st.add_argument("--warmup", type=int, default=3)
+    st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages")
+    for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b")):
+        q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")
         q.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         q.add_argument("--repeats", type=int, default=10)
@@ -119,11 +347,18 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        result = bench_cache(spec, device, dtype, args.repeats)
+        if args.bench == "cache":
+            result = bench_cache(spec, device, dtype, args.repeats)
+            result["tp_shard"] = args.tp_shard
+        elif device.type != "cuda":
+            raise ValueError(f"the {args.bench} benchmark needs a CUDA GPU")
+        elif args.bench == "step":
+            result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, json.loads(args.attention_options))
+        else:
+            result = bench_attention(args.spec, args.tp_shard, device, args.repeats)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result["tp_shard"] = args.tp_shard
     print(json.dumps(result))
     return 0
 

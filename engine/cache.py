@@ -51,14 +51,22 @@ class TokenRope:
         self.spec, self.dtype, self.device = spec, dtype, device
         self.frame_rows, self.frame_cols = frame_positions(spec)
         self.ref_rows, self.ref_cols = reference_positions(spec)
+        self._recent: dict[tuple[str, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def frame(self, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = rope_angles(self.spec, torch.full_like(self.frame_rows, t), self.frame_rows, self.frame_cols)
-        return cos_sin(angles, self.dtype, self.device)
+        return self._table("frame", t, self.frame_rows, self.frame_cols)
 
     def reference(self, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = rope_angles(self.spec, torch.full_like(self.ref_rows, t), self.ref_rows, self.ref_cols)
-        return cos_sin(angles, self.dtype, self.device)
+        return self._table("reference", t, self.ref_rows, self.ref_cols)
+
+    def _table(self, kind: str, t: float, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at temporal position t, kept for the last few positions asked for."""
+        key = (kind, t)
+        if key not in self._recent:
+            if len(self._recent) >= 64:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[key] = cos_sin(rope_angles(self.spec, torch.full_like(rows, t), rows, cols), self.dtype, self.device)
+        return self._recent[key]
 
 
 class RingKVCache:
@@ -66,7 +74,14 @@ class RingKVCache:
 
     K is stored rotated (RoPE at write time) and, with kv_dtype="fp8", quantised with
     static per-head scales; reading needs no reordering because attention is order-free
-    once positions are baked in, only a mask for slots not yet written.
+    once positions are baked in, only a mask for slots not yet written. V is stored
+    transposed, (L, H, D, S), the operand layout FP8 tensor cores take for P·V.
+
+    backend="torch" runs every piece in PyTorch (any device); backend="triton" (FP8 on
+    a CUDA GPU, or under the Triton interpreter) uses one kernel per attention call
+    for RoPE + quantise + ring write, one for the sink, one for the reset rotation,
+    and the FP8 attention kernel; positions and slots then live in device tensors so a
+    CUDA graph can replay the passes.
     """
 
     def __init__(
@@ -75,34 +90,69 @@ class RingKVCache:
         k_gains: list[torch.Tensor],
         v_gains: list[torch.Tensor],
         *,
+        q_gains: list[torch.Tensor] | None = None,
         kv_dtype: str = "fp8",
         reset_every: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        backend: str = "torch",
+        attention_options: dict | None = None,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
-        self.kv_dtype = kv_dtype
+        self.kv_dtype, self.backend = kv_dtype, backend
         self.reset_every = spec.reset_every if reset_every is None else reset_every
         if self.reset_every < 0:
             raise ValueError(f"reset_every must be >= 0 (0 = never), got {self.reset_every}")
-        L, H, D, S = spec.n_blocks, spec.n_heads, spec.head_dim, spec.cache_slots
+        L, H, D, S = len(k_gains), k_gains[0].shape[0], spec.head_dim, spec.cache_slots
+        self.n_layers, self.n_heads = L, H
         store = KV_DTYPES[kv_dtype]
         self.k = torch.zeros(L, H, S, D, dtype=store, device=self.device)  # (L, H, S, D)
-        self.v = torch.zeros(L, H, S, D, dtype=store, device=self.device)
+        self.vt = torch.zeros(L, H, D, S, dtype=store, device=self.device)  # (L, H, D, S)
         if kv_dtype == "fp8":
             self.k_scale = torch.stack([fp8.per_head_scale(g) for g in k_gains]).to(self.device)  # (L, H)
             self.v_scale = torch.stack([fp8.per_head_scale(g) for g in v_gains]).to(self.device)
         else:
             self.k_scale = self.v_scale = None
         self.sink_k = torch.zeros(L, H, spec.reference_tokens, D, dtype=torch.float32, device=self.device)
-        self.valid = torch.zeros(S, dtype=torch.bool, device=self.device)
+        self.valid = torch.zeros(S, dtype=torch.int8, device=self.device)
         self.rope = TokenRope(spec, dtype, self.device)
         self._reset_cos, self._reset_sin = cos_sin(temporal_delta_angles(spec, -self.reset_every), torch.float32, self.device)
         self.step = -1
         self.position = 0  # temporal position of the newest frame
         self.resets = 0
+        if backend == "triton":
+            self._init_triton(q_gains, attention_options or {})
+
+    def _init_triton(self, q_gains: list[torch.Tensor] | None, attention_options: dict) -> None:
+        from engine.kernels.fp8_attention import FP8Attention, qk_scale
+
+        s, H, D = self.spec, self.n_heads, self.spec.head_dim
+        if self.kv_dtype != "fp8" or q_gains is None:
+            raise ValueError("the triton backend needs kv_dtype='fp8' and the q norm gains")
+        if not self.reset_every:
+            raise ValueError("the triton backend keeps positions in a table and needs reset_every > 0")
+        # Positions of the newest frame run sink_distance .. sink_distance + reset_every - 1;
+        # the sink sits sink_distance behind it, at 0 .. reset_every - 1. Index = position - sink_distance.
+        P = self.reset_every
+        frames = torch.stack([torch.stack(self.rope.frame(float(s.sink_distance + i))) for i in range(P)])
+        refs = torch.stack([torch.stack(self.rope.reference(float(i))) for i in range(P)])
+        as_table = lambda t: t.to(device=self.device, dtype=torch.float32).contiguous()
+        self._frame_cos, self._frame_sin = as_table(frames[:, 0]), as_table(frames[:, 1])  # (P, F, D/2)
+        self._ref_cos, self._ref_sin = as_table(refs[:, 0]), as_table(refs[:, 1])  # (P, Nr, D/2)
+        pairs = s.rope_dims[0] // 2  # the reset rotates temporal pairs only
+        self._reset_cos_t = self._reset_cos[:pairs].contiguous()
+        self._reset_sin_t = self._reset_sin[:pairs].contiguous()
+        self.pos_idx = torch.zeros((), dtype=torch.int32, device=self.device)
+        self.slot = torch.zeros((), dtype=torch.int32, device=self.device)
+        self.q_scale = torch.stack([fp8.per_head_scale(g) for g in q_gains]).to(self.device)
+        self.qk_scale = qk_scale(self.q_scale, self.k_scale, D)  # (L, H)
+        self.q8 = torch.empty(H, s.frame_tokens, D, dtype=fp8.FP8, device=self.device)
+        self.out = torch.empty(s.frame_tokens, H * D, dtype=torch.bfloat16, device=self.device)
+        self.attention = FP8Attention(H, s.frame_tokens, s.cache_slots, D, self.device, **attention_options)
 
     # Storage helpers ----------------------------------------------------------
     def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -122,8 +172,8 @@ class RingKVCache:
         """Reference tokens attend among themselves; their K (un-rotated) and V become the sink."""
         n = self.spec.reference_tokens
         self.sink_k[layer] = k.float()
-        self.v[layer, :, :n] = self._store(v, self._scale(self.v_scale, layer))
-        self.valid[:n] = True
+        self.vt[layer, :, :, :n] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
+        self.valid[:n] = 1
         cos, sin = self.rope.reference(0.0)
         return attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
 
@@ -138,23 +188,39 @@ class RingKVCache:
             self.position += 1
             if self.reset_every and step % self.reset_every == 0:
                 self.rotate_window()
+        if self.backend == "triton":
+            self.pos_idx.fill_(self.position - self.spec.sink_distance)
+            self.slot.fill_(self.frame_slot(step))
         self.write_sink_keys()
 
     def rotate_window(self) -> None:
         """Position reset: every cached frame key moves back `reset_every` frames in one rotation."""
-        ring = slice(self.spec.sink_slots, self.spec.cache_slots)
-        for layer in range(self.spec.n_blocks):
-            scale = self._scale(self.k_scale, layer)
-            k = self._load(self.k[layer, :, ring], scale, torch.float32)
-            self.k[layer, :, ring] = self._store(apply_rope(k, self._reset_cos, self._reset_sin), scale)
+        first = self.spec.sink_slots
+        if self.backend == "triton":
+            from engine.kernels.rope_write import delta_rotate
+
+            L, H, S, D = self.k.shape
+            delta_rotate(self.k.view(L * H, S, D), self._reset_cos_t, self._reset_sin_t, self.k_scale.view(-1), first)
+        else:
+            for layer in range(self.n_layers):
+                scale = self._scale(self.k_scale, layer)
+                k = self._load(self.k[layer, :, first:], scale, torch.float32)
+                self.k[layer, :, first:] = self._store(apply_rope(k, self._reset_cos, self._reset_sin), scale)
         self.position -= self.reset_every
         self.resets += 1
 
     def write_sink_keys(self) -> None:
         n = self.spec.reference_tokens
+        if self.backend == "triton":
+            from engine.kernels.rope_write import rope_store
+
+            L, H, S, D = self.k.shape
+            rope_store(self.sink_k.view(L * H, n, D), self._ref_cos, self._ref_sin, self.pos_idx,
+                       self.k.view(L * H, S, D), self.k_scale.view(-1))
+            return
         cos, sin = self.rope.reference(float(self.position - self.spec.sink_distance))
         cos, sin = cos.float(), sin.float()
-        for layer in range(self.spec.n_blocks):
+        for layer in range(self.n_layers):
             self.k[layer, :, :n] = self._store(apply_rope(self.sink_k[layer], cos, sin), self._scale(self.k_scale, layer))
 
     def end_step(self) -> None:
@@ -162,31 +228,40 @@ class RingKVCache:
 
     # Per pass ----------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """RoPE + quantise the newest frame's K/V (H, F, D) into its ring slot."""
+        """RoPE + quantise the newest frame's K/V (H, F, D) into its ring slot (torch backend)."""
         start = self.frame_slot(self.step)
         end = start + self.spec.frame_tokens
         cos, sin = self._frame_cos_sin()
         self.k[layer, :, start:end] = self._store(apply_rope(k, cos, sin), self._scale(self.k_scale, layer))
-        self.v[layer, :, start:end] = self._store(v, self._scale(self.v_scale, layer))
-        self.valid[start:end] = True
+        self.vt[layer, :, :, start:end] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
+        self.valid[start:end] = 1
 
     def read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised K, V (H, S, D) of a layer."""
         return (
             self._load(self.k[layer], self._scale(self.k_scale, layer), dtype),
-            self._load(self.v[layer], self._scale(self.v_scale, layer), dtype),
+            self._load(self.vt[layer], self._scale(self.v_scale, layer), dtype).transpose(-1, -2),
         )
 
     def _frame_cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if getattr(self, "_cs_position", None) != self.position:
-            self._cs = self.rope.frame(float(self.position))
-            self._cs_position = self.position
-        return self._cs
+        return self.rope.frame(float(self.position))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            return self._attend_triton(layer, q, k, v)
         self.write(layer, k, v)
         cos, sin = self._frame_cos_sin()
         k_all, v_all = self.read(layer, q.dtype)
-        return attention(apply_rope(q, cos, sin), k_all, v_all, self.valid)
+        return attention(apply_rope(q, cos, sin), k_all, v_all, self.valid.bool())
+
+    def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.rope_write import write_frame
+
+        write_frame(q, k, v, self._frame_cos, self._frame_sin, self.pos_idx, self.slot, self.q8,
+                    self.k[layer], self.vt[layer], self.valid, self.q_scale[layer], self.k_scale[layer], self.v_scale[layer])
+        self.attention(self.q8, self.k[layer], self.vt[layer], self.valid, self.qk_scale[layer], self.v_scale[layer], self.out)
+        H, D = self.n_heads, self.spec.head_dim
+        return self.out.view(-1, H, D).transpose(0, 1).to(q.dtype)  # (H, F, D) view of (F, H*D)
 
 
 class ReferenceKVCache:

@@ -43,6 +43,10 @@ class HeadRMSNorm(nn.Module):
         return (x32 * self.weight.float().unsqueeze(-2)).to(x.dtype)
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale) + shift
 
@@ -50,7 +54,7 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.n_heads, self.head_dim = spec.n_heads, spec.head_dim
+        self.head_dim = spec.head_dim
         self.norm = nn.LayerNorm(spec.dim, elementwise_affine=False, eps=1e-6)
         self.qkv = nn.Linear(spec.dim, 3 * spec.dim, bias=False)
         self.q_norm = HeadRMSNorm(spec.n_heads, spec.head_dim)
@@ -60,20 +64,21 @@ class Block(nn.Module):
         self.mlp_in = nn.Linear(spec.dim, 2 * spec.mlp_hidden, bias=False)  # gate and up, fused
         self.mlp_out = nn.Linear(spec.mlp_hidden, spec.dim, bias=False)
         self.modulation = nn.Parameter(torch.randn(4, spec.dim) / math.sqrt(spec.dim))
+        # Sums the block's partial output across tensor-parallel ranks (engine/parallel.py sets it).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, attend: Callable) -> torch.Tensor:
         # x (..., N, dim); mod (4, dim) for one noise level, or (4, ..., N, dim) per token
         table = self.modulation.view(4, *([1] * (mod.ndim - 2)), -1)
         shift, scale, gate_attn, gate_mlp = (mod + table).unbind(0)
         h = modulate(self.norm(x), shift, scale)
-        qkv = self.qkv(h).unflatten(-1, (3, self.n_heads, self.head_dim)).transpose(-3, -4)  # (..., 3, N, H, D)
+        qkv = self.qkv(h).unflatten(-1, (3, -1, self.head_dim)).transpose(-3, -4)  # (..., 3, N, H, D); H local to a rank
         q, k, v = qkv.transpose(-2, -3).unbind(-4)  # 3x (..., H, N, D)
         a = attend(self.q_norm(q), self.k_norm(k), self.v_norm(v))  # (..., H, N, D)
         a = self.attn_out(a.transpose(-2, -3).flatten(-2))
         gate, up = self.mlp_in(h).chunk(2, dim=-1)
         m = self.mlp_out(F.silu(gate) * up)
-        # The one sum a tensor-parallel block reduces.
-        return x + gate_attn * a + gate_mlp * m
+        return x + self.reduce(gate_attn * a + gate_mlp * m)  # the block's one all-reduce
 
 
 def timestep_embedding(noise_level: torch.Tensor, dim: int) -> torch.Tensor:

@@ -11,13 +11,29 @@ velocity (noise - data), and `passes` steps walk the noise level from 1 to 0.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from engine import kernels
 from engine.audio import silence_features
 from engine.cache import ReferenceKVCache, RingKVCache
 from engine.model import CausalVideoDiT
 
 CACHES = ("ring", "reference")
+BACKENDS = ("auto", "torch", "triton")
+log = logging.getLogger("talkloop.session")
+
+
+def pick_backend(requested: str, device: torch.device, cache: str, kv_dtype: str, reset_every: int) -> str:
+    """'auto' takes the Triton kernels where they run (FP8 ring on an FP8-capable GPU), else PyTorch."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    fast = (cache == "ring" and kv_dtype == "fp8" and reset_every > 0 and kernels.available()
+            and kernels.supports_fp8_tensor_cores(device))
+    return "triton" if fast else "torch"
 
 
 def noise_levels(passes: int, shift: float = 1.0) -> list[float]:
@@ -36,21 +52,33 @@ class EngineSession:
         reset_every: int | None = None,
         seed: int = 0,
         shift: float = 1.0,
+        backend: str = "auto",
+        cuda_graph: bool = False,
+        attention_options: dict | None = None,
     ):
         if cache not in CACHES:
             raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
         self.model, self.spec = model, model.spec
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        resets = self.spec.reset_every if reset_every is None else reset_every
+        self.backend = pick_backend(backend, self.device, cache, kv_dtype, resets) if cache == "ring" else "torch"
+        if cuda_graph and (self.backend != "triton" or self.device.type != "cuda"):
+            raise ValueError("cuda_graph needs the triton backend on a CUDA device")
+        self.cuda_graph = cuda_graph
+        self._graph: torch.cuda.CUDAGraph | None = None
         if cache == "ring":
             self.cache = RingKVCache(
                 self.spec,
                 [b.k_norm.weight for b in model.blocks],
                 [b.v_norm.weight for b in model.blocks],
+                q_gains=[b.q_norm.weight for b in model.blocks],
                 kv_dtype=kv_dtype,
                 reset_every=reset_every,
                 dtype=self.dtype,
                 device=self.device,
+                backend=self.backend,
+                attention_options=attention_options,
             )
         else:
             self.cache = ReferenceKVCache(self.spec, dtype=self.dtype, device=self.device)
@@ -133,11 +161,42 @@ class EngineSession:
         s = self.spec
         audio = self._audio_window()
         self.cache.begin_step(self.steps_done)
-        x = torch.randn((s.latent_channels, *s.latent_grid), generator=self.generator, device=self.device).to(self.dtype)
-        for i in range(s.passes):
-            v = self.model(x, self.levels[i], audio, self.cache.attend)
-            x = x + (self.levels[i + 1] - self.levels[i]).to(self.dtype) * v
+        noise = torch.randn((s.latent_channels, *s.latent_grid), generator=self.generator, device=self.device).to(self.dtype)
+        if self.cuda_graph:
+            x = self._replay(noise, audio)
+        else:
+            x = self._denoise(noise, audio)
         self.cache.end_step()
         self.steps_done += 1
         self._drop_consumed_features()
         return x
+
+    def _denoise(self, x: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """All passes of one step (the part a CUDA graph captures)."""
+        for i in range(self.spec.passes):
+            v = self.model(x, self.levels[i], audio, self.cache.attend)
+            x = x + (self.levels[i + 1] - self.levels[i]).to(self.dtype) * v
+        return x
+
+    def _replay(self, noise: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+        """The passes as one CUDA graph: static inputs, captured on first use.
+
+        Every pass rewrites the frame's slot and positions come from device tensors
+        set by begin_step, so warm-up and capture leave the cache as a plain step would.
+        """
+        if self._graph is None:
+            self._noise, self._audio = noise.clone(), audio.clone()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._denoise(self._noise, self._audio)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._out = self._denoise(self._noise, self._audio)
+            log.info("captured the step's %d passes in a CUDA graph", self.spec.passes)
+        self._noise.copy_(noise)
+        self._audio.copy_(audio)
+        self._graph.replay()
+        return self._out.clone()

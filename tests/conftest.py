@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in its interpreter (set before any kernel module is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,41 @@
+"""Triton kernels for the serving path, each a file with its kernel, a thin launcher and a
+PyTorch reference the tests hold it to.
+
+Triton is optional: `available()` probes it once and logs one line. Kernels also run
+under TRITON_INTERPRET=1 on the CPU, where FP8 rounding is done explicitly (the
+interpreter's own float->e4m3 cast mis-rounds values near powers of two); on the GPU
+the hardware's round-to-nearest-even cast is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("talkloop.kernels")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def available() -> bool:
+    """Triton importable, and either a CUDA GPU or the interpreter to run it on."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        log.info("Triton kernels off: triton not importable (%s); using the PyTorch paths", e)
+        return False
+    if not (torch.cuda.is_available() or interpreting()):
+        log.info("Triton kernels off: no CUDA GPU; using the PyTorch paths")
+        return False
+    log.info("Triton kernels on (%s)", "interpreter" if interpreting() else torch.cuda.get_device_name())
+    return True
+
+
+def supports_fp8_tensor_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -1,0 +1,144 @@
+"""FP8 attention over the ring cache, with per-head scales (Hopper: e4m3 tensor cores).
+
+Reads q (H, M, D), the cache's K (H, S, D) and V stored transposed (H, D, S), all e4m3
+with one scale per head, and a validity byte per slot (empty ring slots and sink
+padding are masked). Both products run in FP8: q·kᵀ, and P·V with the probabilities
+scaled by 256 before rounding so small ones keep precision. The KV axis can be split
+across programs (flash-decoding): at 757 queries x 20 heads there are too few query
+blocks to fill 132 SMs, so splits are merged afterwards by their log-sum-exp.
+
+Output (M, H*D) in bf16, the layout the attention's out-projection reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import interpreting
+from engine.kernels.common import to_fp8
+
+P_SCALE = 256.0
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_kernel(
+    q, k, vt, valid, qk_scale, v_scale,  # (H, M, D), (H, S, D), (H, D, S), (S,), (H,), (H,)
+    out, s_om, s_oh,  # (M, H*D) bf16 when SPLITS == 1
+    part_o, part_m, part_l,  # (SPLITS, H, M, D) f32, (SPLITS, H, M) f32 x2 when SPLITS > 1
+    H, M, S, blocks_per_split,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr,
+):
+    pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    row_ok = rows < M
+    q_blk = tl.load(q + h * M * D + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    scale = tl.load(qk_scale + h)  # q_scale * k_scale / sqrt(D) * log2(e)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    lo = split * blocks_per_split * BLOCK_N
+    for i in range(0, blocks_per_split):
+        cols = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < S
+        k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q_blk, tl.trans(k_blk)) * scale
+        live = tl.load(valid + cols, mask=col_ok, other=0) != 0
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no live slot yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :], mask=col_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(to_fp8(p * 256.0, EXACT), tl.trans(v_blk), acc)
+        m_i = m_new
+    if SPLITS == 1:
+        o = acc * (tl.load(v_scale + h) / 256.0) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out + rows[:, None] * s_om + h * s_oh + d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
+    else:
+        base = (split * H + h) * M
+        tl.store(part_o + (base + rows)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_m + base + rows, m_i, mask=row_ok)
+        tl.store(part_l + base + rows, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(part_o, part_m, part_l, v_scale, out, s_om, s_oh, H, M,
+                  D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+    pid_m, h = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    d = tl.arange(0, D)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for sp in range(SPLITS):
+        m = tl.maximum(m, tl.load(part_m + (sp * H + h) * M + rows, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for sp in range(SPLITS):
+        base = (sp * H + h) * M
+        w = tl.exp2(tl.load(part_m + base + rows, mask=row_ok, other=float("-inf")) - m_safe)
+        l += w * tl.load(part_l + base + rows, mask=row_ok, other=0.0)
+        acc += w[:, None] * tl.load(part_o + (base + rows)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    o = acc * (tl.load(v_scale + h) / 256.0) / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(out + rows[:, None] * s_om + h * s_oh + d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
+
+
+class FP8Attention:
+    """Launcher with its split buffers allocated once (static shapes, CUDA-graph safe)."""
+
+    def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device: torch.device,
+                 block_m: int = 128, block_n: int = 64, splits: int = 1, num_warps: int = 8, num_stages: int = 2):
+        self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
+        self.block_m, self.block_n, self.splits = block_m, block_n, splits
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.blocks_per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n)
+        shape = (max(splits, 1), n_heads, n_queries)
+        self.part_o = torch.empty(*shape, head_dim, device=device, dtype=torch.float32) if splits > 1 else None
+        self.part_m = torch.empty(shape, device=device, dtype=torch.float32) if splits > 1 else None
+        self.part_l = torch.empty(shape, device=device, dtype=torch.float32) if splits > 1 else None
+
+    def __call__(self, q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, valid: torch.Tensor,
+                 qk_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16.
+
+        qk_scale (H,) = q_scale * k_scale * log2(e) / sqrt(D); v_scale (H,).
+        """
+        H, M, D = q8.shape
+        grid = (triton.cdiv(M, self.block_m), H, self.splits)
+        dummy = out
+        _attn_kernel[grid](
+            q8, k8, vt8, valid, qk_scale, v_scale, out, out.stride(0), D,
+            self.part_o if self.splits > 1 else dummy, self.part_m if self.splits > 1 else dummy,
+            self.part_l if self.splits > 1 else dummy,
+            H, M, self.S, self.blocks_per_split,
+            D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, SPLITS=self.splits, EXACT=interpreting(),
+            num_warps=self.num_warps, num_stages=self.num_stages,
+        )
+        if self.splits > 1:
+            _merge_kernel[(triton.cdiv(M, 64), H)](
+                self.part_o, self.part_m, self.part_l, v_scale, out, out.stride(0), D, H, M,
+                D=D, BLOCK_M=64, SPLITS=self.splits, num_warps=4,
+            )
+        return out
+
+
+def qk_scale(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return (q_scale * k_scale * (LOG2E / math.sqrt(head_dim))).float()
+
+
+def attention_reference(q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, valid: torch.Tensor,
+                        q_scale: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """The same function in plain PyTorch: dequantise, masked softmax attention, (M, H*D) float32."""
+    q = q8.float() * q_scale.view(-1, 1, 1)
+    k = k8.float() * k_scale.view(-1, 1, 1)
+    v = vt8.float().transpose(1, 2) * v_scale.view(-1, 1, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=valid.bool().view(1, 1, 1, -1))[0]
+    return o.transpose(0, 1).flatten(1)

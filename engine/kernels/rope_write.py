@@ -1,0 +1,144 @@
+"""Write-time cache kernels: RoPE + FP8 quantisation + ring store, and the reset's delta rotation.
+
+`write_frame`   one launch per attention call: rotates the newest frame's q and k at
+                the current position, quantises q, k, v with per-head scales, stores
+                k and v into the frame's ring slot (v transposed, (H, D, S), as the
+                FP8 attention kernel's second product wants it), q into a buffer, and
+                marks the slot valid. Position and slot come from device tensors so a
+                CUDA graph can replay it at every step.
+`rope_store`    rotates + quantises float keys into cache rows (the sink, re-derived each step).
+`delta_rotate`  the position reset: rotates the temporal pairs of every ring key in
+                place, re-rounding with the scale it was stored with.
+
+Pairs are adjacent dims (2j, 2j+1), as in engine/rope.py; cos/sin tables are
+(positions, tokens, D/2) float32, indexed by a device position index.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels import interpreting
+from engine.kernels.common import to_fp8
+
+
+@triton.jit
+def _rope_quant(src, s_tok, tok, t_ok, cos_base, sin_base, HALF: tl.constexpr, scale, EXACT: tl.constexpr):
+    """Rows `tok` of src (tokens, D) rotated and quantised: returns the even and odd halves in e4m3."""
+    j = tl.arange(0, HALF)
+    m = t_ok[:, None]
+    off = tok[:, None] * s_tok + 2 * j[None, :]
+    a = tl.load(src + off, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(src + off + 1, mask=m, other=0.0).to(tl.float32)
+    cs = tok[:, None] * HALF + j[None, :]
+    c = tl.load(cos_base + cs, mask=m, other=1.0)
+    s = tl.load(sin_base + cs, mask=m, other=0.0)
+    even = to_fp8((a * c - b * s) / scale, EXACT)
+    odd = to_fp8((a * s + b * c) / scale, EXACT)
+    return even, odd
+
+
+@triton.jit
+def _write_frame_kernel(
+    q, k, v, s_qh, s_qt, s_kh, s_kt, s_vh, s_vt,  # inputs (H, F, D), last dim contiguous
+    cos, sin, pos_idx, slot,  # tables (P, F, D/2); device scalars
+    q8, k_cache, vt_cache, valid,  # (H, F, D), (H, S, D), (H, D, S), (S,)
+    q_scale, k_scale, v_scale,  # (H,)
+    F, S,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr,
+):
+    pid_t, h = tl.program_id(0), tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tok < F
+    p = tl.load(pos_idx)
+    start = tl.load(slot)
+    table = p * F * HALF
+    j = tl.arange(0, HALF)
+    m = t_ok[:, None]
+    # q -> (H, F, D) buffer
+    qe, qo = _rope_quant(q + h * s_qh, s_qt, tok, t_ok, cos + table, sin + table, HALF, tl.load(q_scale + h), EXACT)
+    out = q8 + h * F * D + tok[:, None] * D + 2 * j[None, :]
+    tl.store(out, qe, mask=m)
+    tl.store(out + 1, qo, mask=m)
+    # k -> ring slot rows
+    ke, ko = _rope_quant(k + h * s_kh, s_kt, tok, t_ok, cos + table, sin + table, HALF, tl.load(k_scale + h), EXACT)
+    out = k_cache + h * S * D + (start + tok)[:, None] * D + 2 * j[None, :]
+    tl.store(out, ke, mask=m)
+    tl.store(out + 1, ko, mask=m)
+    # v -> ring slot columns of the transposed cache
+    d = tl.arange(0, D)
+    vv = tl.load(v + h * s_vh + tok[:, None] * s_vt + d[None, :], mask=m, other=0.0).to(tl.float32)
+    v8 = to_fp8(vv / tl.load(v_scale + h), EXACT)
+    tl.store(vt_cache + h * D * S + d[None, :] * S + (start + tok)[:, None], v8, mask=m)
+    if h == 0:
+        tl.store(valid + start + tok, tl.full((BLOCK_T,), 1, tl.int8), mask=t_ok)
+
+
+def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                pos_idx: torch.Tensor, slot: torch.Tensor, q8: torch.Tensor, k_cache: torch.Tensor,
+                vt_cache: torch.Tensor, valid: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+                v_scale: torch.Tensor, block_t: int = 32) -> None:
+    """q, k, v (H, F, D) -> q8 (H, F, D), k_cache (H, S, D) and vt_cache (H, D, S) rows/cols at `slot`."""
+    H, F, D = k.shape
+    S = k_cache.shape[1]
+    for x in (q, k, v):
+        assert x.stride(-1) == 1, "q, k, v need a contiguous last dim"
+    grid = (triton.cdiv(F, block_t), H)
+    _write_frame_kernel[grid](
+        q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos, sin, pos_idx, slot, q8, k_cache, vt_cache, valid, q_scale, k_scale, v_scale, F, S,
+        D=D, BLOCK_T=block_t, EXACT=interpreting(),
+    )
+
+
+@triton.jit
+def _rope_store_kernel(src, cos, sin, pos_idx, dst, scale, N, S, D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr):
+    pid_t, r = tl.program_id(0), tl.program_id(1)  # r: a (layer, head) row of the cache
+    HALF: tl.constexpr = D // 2
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tok < N
+    table = tl.load(pos_idx) * N * HALF
+    e, o = _rope_quant(src + r * N * D, D, tok, t_ok, cos + table, sin + table, HALF, tl.load(scale + r), EXACT)
+    j = tl.arange(0, HALF)
+    out = dst + r * S * D + tok[:, None] * D + 2 * j[None, :]
+    tl.store(out, e, mask=t_ok[:, None])
+    tl.store(out + 1, o, mask=t_ok[:, None])
+
+
+def rope_store(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos_idx: torch.Tensor,
+               dst: torch.Tensor, scale: torch.Tensor, block_t: int = 32) -> None:
+    """src (R, N, D) float, contiguous -> dst (R, S, D) e4m3 rows 0..N-1; scale (R,); tables (P, N, D/2)."""
+    R, N, D = src.shape
+    assert src.is_contiguous() and dst.is_contiguous()
+    grid = (triton.cdiv(N, block_t), R)
+    _rope_store_kernel[grid](src, cos, sin, pos_idx, dst, scale, N, dst.shape[1], D=D, BLOCK_T=block_t, EXACT=interpreting())
+
+
+@triton.jit
+def _delta_rotate_kernel(cache, cos, sin, scale, first, S, D: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
+                         BLOCK_T: tl.constexpr, EXACT: tl.constexpr):
+    pid_t, r = tl.program_id(0), tl.program_id(1)
+    tok = first + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, PAIRS_P2)
+    m = (tok < S)[:, None] & (j < PAIRS)[None, :]
+    sc = tl.load(scale + r)
+    ptr = cache + r * S * D + tok[:, None] * D + 2 * j[None, :]
+    a = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * sc
+    b = tl.load(ptr + 1, mask=m, other=0.0).to(tl.float32) * sc
+    c = tl.load(cos + j, mask=j < PAIRS, other=1.0)[None, :]
+    s = tl.load(sin + j, mask=j < PAIRS, other=0.0)[None, :]
+    tl.store(ptr, to_fp8((a * c - b * s) / sc, EXACT), mask=m)
+    tl.store(ptr + 1, to_fp8((a * s + b * c) / sc, EXACT), mask=m)
+
+
+def delta_rotate(cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor, first: int,
+                 block_t: int = 64) -> None:
+    """Rotate rows first..S-1 of cache (R, S, D) e4m3 in place by the temporal angles (P,) (P pairs)."""
+    R, S, D = cache.shape
+    pairs = cos.numel()
+    grid = (triton.cdiv(S - first, block_t), R)
+    _delta_rotate_kernel[grid](cache, cos, sin, scale, first, S, D=D, PAIRS=pairs,
+                               PAIRS_P2=triton.next_power_of_2(pairs), BLOCK_T=block_t, EXACT=interpreting())

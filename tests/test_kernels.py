@@ -1,0 +1,137 @@
+"""Triton kernels against their PyTorch references (interpreter on CPU, hardware on GPU).
+
+Tolerances: cache writes, the sink and the reset rotation equal the PyTorch path
+except for rare one-step e4m3 rounding differences (fused multiply-adds); FP8
+attention is within 3% (relative L2) of exact attention over the same FP8 cache (the
+probabilities are rounded to e4m3 too); FP8 linears within 5% of the float product.
+"""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from engine import fp8  # noqa: E402
+from engine.cache import RingKVCache  # noqa: E402
+from engine.kernels.fp8_attention import FP8Attention, attention_reference, qk_scale  # noqa: E402
+from engine.kernels.fp8_linear import FP8Linear, quantize_rows, quantize_rows_reference  # noqa: E402
+from tests.helpers import TINY, run_session, tiny_model  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The GPU's tensor cores need head_dim >= 16 and real tile sizes; the interpreter runs anything.
+SPEC = TINY if DEVICE.type == "cpu" else TINY.with_(dim=256, n_heads=4, latent_grid=(8, 8), reference_grid=(8, 8), sink_slots=66)
+
+
+def rms_heads(g, *shape):
+    x = torch.randn(*shape, generator=g)
+    return x / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def close_fp8(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> None:
+    """Equal but for rare single-step rounding differences."""
+    da, db = a.float(), b.float()
+    step = fp8.relative_step(torch.maximum(da.abs(), db.abs()))
+    assert ((da - db).abs() <= step * 1.001).all()
+    assert (da == db).float().mean() > 0.99
+
+
+def make_caches(gains):
+    kw = dict(q_gains=gains, kv_dtype="fp8", reset_every=5, device=DEVICE)
+    return RingKVCache(SPEC, gains, gains, backend="torch", **kw), RingKVCache(SPEC, gains, gains, backend="triton", **kw)
+
+
+def test_frame_write_sink_and_reset_rotation_match_pytorch():
+    g = torch.Generator().manual_seed(0)
+    H, D, F = SPEC.n_heads, SPEC.head_dim, SPEC.frame_tokens
+    gains = [(torch.rand(H, D, generator=g) + 0.5).to(DEVICE) for _ in range(SPEC.n_blocks)]
+    ref, fast = make_caches(gains)
+    sink = [rms_heads(g, H, SPEC.reference_tokens, D).to(DEVICE) for _ in range(SPEC.n_blocks)]
+    for c in (ref, fast):
+        for layer in range(SPEC.n_blocks):
+            c.reference_attend(layer, sink[layer], sink[layer], sink[layer])
+    for step in range(7):  # crosses the reset at step 5
+        frame = [rms_heads(g, H, F, D).to(DEVICE) * gains[0].unsqueeze(1) for _ in range(3)]
+        for c in (ref, fast):
+            c.begin_step(step)
+        for layer in range(SPEC.n_blocks):
+            ref.write(layer, frame[1], frame[2])
+            fast._attend_triton(layer, frame[0], frame[1], frame[2])
+        close_fp8(fast.k, ref.k, ref.k_scale)
+        close_fp8(fast.vt, ref.vt, ref.v_scale)
+        assert torch.equal(fast.valid, ref.valid)
+    assert fast.resets == ref.resets == 1
+    # q was rotated and quantised as the PyTorch path does
+    cos, sin = ref._frame_cos_sin()
+    from engine.rope import apply_rope
+
+    close_fp8(fast.q8, fp8.quantize(apply_rope(frame[0], cos, sin), fast.q_scale[-1]), fast.q_scale[-1])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits):
+    g = torch.Generator().manual_seed(1)
+    H, M, S, D = 2, 70, 300, SPEC.head_dim if DEVICE.type == "cpu" else 128
+    scale = fp8.per_head_scale(torch.ones(H, D)).to(DEVICE)
+    q8 = fp8.quantize(rms_heads(g, H, M, D).to(DEVICE), scale)
+    k8 = fp8.quantize(rms_heads(g, H, S, D).to(DEVICE), scale)
+    vt8 = fp8.quantize(rms_heads(g, H, S, D).to(DEVICE), scale).transpose(1, 2).contiguous()
+    valid = torch.ones(S, dtype=torch.int8, device=DEVICE)
+    valid[40:130] = 0  # empty ring slots
+    out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
+    FP8Attention(H, M, S, D, DEVICE, splits=splits, **blocks)(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
+    ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
+    assert torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= 3e-2
+
+
+def test_row_quantisation_matches_reference():
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(37, 96, generator=g) * torch.rand(37, 1, generator=g) * 10).to(DEVICE)
+    x8, sx = quantize_rows(x)
+    r8, rs = quantize_rows_reference(x)
+    assert torch.allclose(sx, rs)
+    close_fp8(x8, r8, rs)
+
+
+def test_fp8_linear_is_close_to_the_float_product():
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(256, 192, bias=False).to(DEVICE)
+    x = torch.randn(45, 256, generator=g).to(DEVICE)
+    exact = lin(x)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    y = FP8Linear(lin.to(dtype))(x.to(dtype)).float()
+    assert ((y - exact).norm() / exact.norm()).item() <= 5e-2
+
+
+def _model():
+    from engine.model import build_model
+
+    return build_model(SPEC, seed=1, device=DEVICE, dtype=torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
+
+
+def test_triton_session_tracks_the_pytorch_fp8_session():
+    model = _model()
+    blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
+    ring = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="torch")
+    fast = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="triton", attention_options=dict(splits=2, **blocks))
+    rel = ((fast.float() - ring.float()).norm() / ring.float().norm()).item()
+    assert rel <= 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_steps():
+    model = _model()
+    eager = run_session(model, 12, cache="ring", kv_dtype="fp8", backend="triton")
+    graph = run_session(model, 12, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
+    assert torch.equal(eager, graph)
+
+
+@pytest.mark.gpu
+def test_scaled_mm_path_matches_the_dequantised_reference():
+    lin = torch.nn.Linear(512, 384, bias=False).to(DEVICE, torch.bfloat16)
+    x = torch.randn(757, 512, device=DEVICE, dtype=torch.bfloat16)
+    fast, ref = FP8Linear(lin), FP8Linear(lin, use_scaled_mm=False)
+    assert fast.use_scaled_mm
+    a, b = fast(x).float(), ref(x).float()
+    assert ((a - b).norm() / b.norm()).item() <= 1e-2

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
+# benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
+#   bash tools/gpu_suite.sh [tests|attention|step|cache|all]...
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/gpu.txt"
+cat "$OUT/gpu.txt"
+parts=${*:-all}
+run() { echo "== $*"; "$@"; }
+for part in $parts; do
+  if [[ $part == tests || $part == all ]]; then
+    run python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cache.py tests/test_session.py tests/test_parallel.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5
+  fi
+  if [[ $part == attention || $part == all ]]; then
+    run python3 -m engine.bench attention --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
+  fi
+  if [[ $part == step || $part == all ]]; then
+    run python3 -m engine.bench step --spec characters-57b --tp-shard 3 --json ${STEP_ARGS:-} > "$OUT/step_tp3.json" && cat "$OUT/step_tp3.json"
+  fi
+  if [[ $part == cache || $part == all ]]; then
+    run python3 -m engine.bench cache --device cuda --spec characters-57b --tp-shard 3 --json > "$OUT/cache_tp3.json" && cat "$OUT/cache_tp3.json"
+  fi
+done
