@@ -107,7 +107,9 @@ class RingKVCache:
         self.reset_every = spec.reset_every if reset_every is None else reset_every
         if self.reset_every < 0:
             raise ValueError(f"reset_every must be >= 0 (0 = never), got {self.reset_every}")
-        L, H, D, S = len(k_gains), k_gains[0].shape[0], spec.head_dim, spec.cache_slots
+        # Slots are allocated in multiples of 64 (padding stays masked) so every row of the
+        # transposed V cache starts 16-byte aligned, as vector loads and tensor cores want.
+        L, H, D, S = len(k_gains), k_gains[0].shape[0], spec.head_dim, -(-spec.cache_slots // 64) * 64
         self.n_layers, self.n_heads = L, H
         store = KV_DTYPES[kv_dtype]
         self.k = torch.zeros(L, H, S, D, dtype=store, device=self.device)  # (L, H, S, D)
@@ -152,7 +154,8 @@ class RingKVCache:
         self.qk_scale = qk_scale(self.q_scale, self.k_scale, D)  # (L, H)
         self.q8 = torch.empty(H, s.frame_tokens, D, dtype=fp8.FP8, device=self.device)
         self.out = torch.empty(s.frame_tokens, H * D, dtype=torch.bfloat16, device=self.device)
-        self.attention = FP8Attention(H, s.frame_tokens, s.cache_slots, D, self.device, **attention_options)
+        self.attention = FP8Attention(H, s.frame_tokens, self.k.shape[2], D, self.device, **attention_options)
+        self.rotate_window(count=False)  # compiles the rotation now (zeros stay zeros), not in the first reset step
 
     # Storage helpers ----------------------------------------------------------
     def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -193,7 +196,7 @@ class RingKVCache:
             self.slot.fill_(self.frame_slot(step))
         self.write_sink_keys()
 
-    def rotate_window(self) -> None:
+    def rotate_window(self, count: bool = True) -> None:
         """Position reset: every cached frame key moves back `reset_every` frames in one rotation."""
         first = self.spec.sink_slots
         if self.backend == "triton":
@@ -206,8 +209,9 @@ class RingKVCache:
                 scale = self._scale(self.k_scale, layer)
                 k = self._load(self.k[layer, :, first:], scale, torch.float32)
                 self.k[layer, :, first:] = self._store(apply_rope(k, self._reset_cos, self._reset_sin), scale)
-        self.position -= self.reset_every
-        self.resets += 1
+        if count:
+            self.position -= self.reset_every
+            self.resets += 1
 
     def write_sink_keys(self) -> None:
         n = self.spec.reference_tokens

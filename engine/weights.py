@@ -77,8 +77,11 @@ def load_engine(spec: ModelSpec, *, weights: str | Path | None = None, device: s
                 dtype: torch.dtype = torch.float32, seed: int = 0):
     """Model + codec for a spec: the given or shipped checkpoint, else random weights.
 
+    The trained codec is the checkpoint beside the DiT's, `<name>-codec.pt` (assets/demo.pt ->
+    assets/demo-codec.pt), sha256-verified like it; without one the stand-in codec is used.
     Returns (model, codec, trained) where `trained` says whether real weights were loaded.
     """
+    from engine.codec import load_codec
     from engine.decoder import StandInCodec
     from engine.model import build_model
 
@@ -86,5 +89,9 @@ def load_engine(spec: ModelSpec, *, weights: str | Path | None = None, device: s
     path = Path(weights) if weights is not None else default_weights(spec)
     if path is not None:
         load_checkpoint(model, spec, path)
-    codec = StandInCodec(spec, seed=seed).to(device)
+    codec_file = (path.with_name(path.stem + "-codec.pt") if path is not None else ASSETS / f"{spec.name}-codec.pt")
+    if codec_file.is_file():
+        codec = load_codec(spec, codec_file).to(device=device, dtype=dtype)
+    else:
+        codec = StandInCodec(spec, seed=seed).to(device)
     return model.to(device=device, dtype=dtype).eval(), codec, path is not None

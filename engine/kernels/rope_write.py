@@ -25,19 +25,18 @@ from engine.kernels.common import to_fp8
 
 
 @triton.jit
-def _rope_quant(src, s_tok, tok, t_ok, cos_base, sin_base, HALF: tl.constexpr, scale, EXACT: tl.constexpr):
-    """Rows `tok` of src (tokens, D) rotated and quantised: returns the even and odd halves in e4m3."""
+def _rope_quant(src, s_tok, tok, t_ok, cos_base, sin_base, D: tl.constexpr, scale, EXACT: tl.constexpr):
+    """Rows `tok` of src (tokens, D), rotated and quantised: (BLOCK_T, D) e4m3, pairs interleaved as stored."""
+    HALF: tl.constexpr = D // 2
     j = tl.arange(0, HALF)
+    d = tl.arange(0, D)
     m = t_ok[:, None]
-    off = tok[:, None] * s_tok + 2 * j[None, :]
-    a = tl.load(src + off, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(src + off + 1, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(src + tok[:, None] * s_tok + d[None, :], mask=m, other=0.0).to(tl.float32)  # one contiguous row read
+    a, b = tl.split(tl.reshape(x, (x.shape[0], HALF, 2)))
     cs = tok[:, None] * HALF + j[None, :]
     c = tl.load(cos_base + cs, mask=m, other=1.0)
     s = tl.load(sin_base + cs, mask=m, other=0.0)
-    even = to_fp8((a * c - b * s) / scale, EXACT)
-    odd = to_fp8((a * s + b * c) / scale, EXACT)
-    return even, odd
+    return to_fp8(tl.interleave((a * c - b * s) / scale, (a * s + b * c) / scale), EXACT)
 
 
 @triton.jit
@@ -50,29 +49,20 @@ def _write_frame_kernel(
     D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr,
 ):
     pid_t, h = tl.program_id(0), tl.program_id(1)
-    HALF: tl.constexpr = D // 2
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tok < F
-    p = tl.load(pos_idx)
+    table = tl.load(pos_idx) * F * (D // 2)
     start = tl.load(slot)
-    table = p * F * HALF
-    j = tl.arange(0, HALF)
-    m = t_ok[:, None]
-    # q -> (H, F, D) buffer
-    qe, qo = _rope_quant(q + h * s_qh, s_qt, tok, t_ok, cos + table, sin + table, HALF, tl.load(q_scale + h), EXACT)
-    out = q8 + h * F * D + tok[:, None] * D + 2 * j[None, :]
-    tl.store(out, qe, mask=m)
-    tl.store(out + 1, qo, mask=m)
-    # k -> ring slot rows
-    ke, ko = _rope_quant(k + h * s_kh, s_kt, tok, t_ok, cos + table, sin + table, HALF, tl.load(k_scale + h), EXACT)
-    out = k_cache + h * S * D + (start + tok)[:, None] * D + 2 * j[None, :]
-    tl.store(out, ke, mask=m)
-    tl.store(out + 1, ko, mask=m)
-    # v -> ring slot columns of the transposed cache
     d = tl.arange(0, D)
+    m = t_ok[:, None]
+    q_rot = _rope_quant(q + h * s_qh, s_qt, tok, t_ok, cos + table, sin + table, D, tl.load(q_scale + h), EXACT)
+    tl.store(q8 + h * F * D + tok[:, None] * D + d[None, :], q_rot, mask=m)
+    k_rot = _rope_quant(k + h * s_kh, s_kt, tok, t_ok, cos + table, sin + table, D, tl.load(k_scale + h), EXACT)
+    tl.store(k_cache + h * S * D + (start + tok)[:, None] * D + d[None, :], k_rot, mask=m)
+    # v goes to the transposed cache: store the (D, BLOCK_T) transpose so writes run along slots
     vv = tl.load(v + h * s_vh + tok[:, None] * s_vt + d[None, :], mask=m, other=0.0).to(tl.float32)
-    v8 = to_fp8(vv / tl.load(v_scale + h), EXACT)
-    tl.store(vt_cache + h * D * S + d[None, :] * S + (start + tok)[:, None], v8, mask=m)
+    v8 = tl.trans(to_fp8(vv / tl.load(v_scale + h), EXACT))
+    tl.store(vt_cache + h * D * S + d[:, None] * S + (start + tok)[None, :], v8, mask=t_ok[None, :])
     if h == 0:
         tl.store(valid + start + tok, tl.full((BLOCK_T,), 1, tl.int8), mask=t_ok)
 
@@ -80,7 +70,7 @@ def _write_frame_kernel(
 def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pos_idx: torch.Tensor, slot: torch.Tensor, q8: torch.Tensor, k_cache: torch.Tensor,
                 vt_cache: torch.Tensor, valid: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
-                v_scale: torch.Tensor, block_t: int = 32) -> None:
+                v_scale: torch.Tensor, block_t: int = 64) -> None:
     """q, k, v (H, F, D) -> q8 (H, F, D), k_cache (H, S, D) and vt_cache (H, D, S) rows/cols at `slot`."""
     H, F, D = k.shape
     S = k_cache.shape[1]
@@ -97,15 +87,12 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
 @triton.jit
 def _rope_store_kernel(src, cos, sin, pos_idx, dst, scale, N, S, D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr):
     pid_t, r = tl.program_id(0), tl.program_id(1)  # r: a (layer, head) row of the cache
-    HALF: tl.constexpr = D // 2
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tok < N
-    table = tl.load(pos_idx) * N * HALF
-    e, o = _rope_quant(src + r * N * D, D, tok, t_ok, cos + table, sin + table, HALF, tl.load(scale + r), EXACT)
-    j = tl.arange(0, HALF)
-    out = dst + r * S * D + tok[:, None] * D + 2 * j[None, :]
-    tl.store(out, e, mask=t_ok[:, None])
-    tl.store(out + 1, o, mask=t_ok[:, None])
+    table = tl.load(pos_idx) * N * (D // 2)
+    rot = _rope_quant(src + r * N * D, D, tok, t_ok, cos + table, sin + table, D, tl.load(scale + r), EXACT)
+    d = tl.arange(0, D)
+    tl.store(dst + r * S * D + tok[:, None] * D + d[None, :], rot, mask=t_ok[:, None])
 
 
 def rope_store(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos_idx: torch.Tensor,
@@ -122,16 +109,15 @@ def _delta_rotate_kernel(cache, cos, sin, scale, first, S, D: tl.constexpr, PAIR
                          BLOCK_T: tl.constexpr, EXACT: tl.constexpr):
     pid_t, r = tl.program_id(0), tl.program_id(1)
     tok = first + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    j = tl.arange(0, PAIRS_P2)
-    m = (tok < S)[:, None] & (j < PAIRS)[None, :]
+    d = tl.arange(0, 2 * PAIRS_P2)  # the temporal pairs lead each row
+    m = (tok < S)[:, None] & (d < 2 * PAIRS)[None, :]
     sc = tl.load(scale + r)
-    ptr = cache + r * S * D + tok[:, None] * D + 2 * j[None, :]
-    a = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * sc
-    b = tl.load(ptr + 1, mask=m, other=0.0).to(tl.float32) * sc
+    ptr = cache + r * S * D + tok[:, None] * D + d[None, :]
+    a, b = tl.split(tl.reshape(tl.load(ptr, mask=m, other=0.0).to(tl.float32) * sc, (BLOCK_T, PAIRS_P2, 2)))
+    j = tl.arange(0, PAIRS_P2)
     c = tl.load(cos + j, mask=j < PAIRS, other=1.0)[None, :]
     s = tl.load(sin + j, mask=j < PAIRS, other=0.0)[None, :]
-    tl.store(ptr, to_fp8((a * c - b * s) / sc, EXACT), mask=m)
-    tl.store(ptr + 1, to_fp8((a * s + b * c) / sc, EXACT), mask=m)
+    tl.store(ptr, to_fp8(tl.interleave((a * c - b * s) / sc, (a * s + b * c) / sc), EXACT), mask=m)
 
 
 def delta_rotate(cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor, first: int,
