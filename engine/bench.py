@@ -144,9 +144,10 @@ def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
 
 
 @torch.no_grad()
-def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, *, fp8_gemms: bool, seed: int = 0) -> CausalVideoDiT:
+def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, *, fp8_gemms: bool,
+                 fused: bool = True, seed: int = 0) -> CausalVideoDiT:
     """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device."""
-    from engine.kernels.fp8_linear import FP8Linear
+    from engine.kernels.fp8_linear import quantize_linears_
 
     with torch.device("meta"):
         model = CausalVideoDiT(spec)
@@ -162,24 +163,33 @@ def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dt
             p.normal_(0.0, 0.02, generator=g)
     model = model.to(dtype)
     if fp8_gemms:
-        for block in model.blocks:
-            for name in ("qkv", "attn_out", "mlp_in", "mlp_out"):
-                setattr(block, name, FP8Linear(getattr(block, name)))
+        quantize_linears_(model, fuse=fused)
     return model.eval()
 
 
 def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
-    """Every block linear of one step (passes x blocks), on activations of the step's shape."""
+    """Every block linear of one step (passes x blocks), on activations of the step's shape, fed as the
+    step feeds them (FP8 linears take pre-quantised inputs where the fused block quantises for them)."""
+    from engine.kernels.fp8_linear import FP8Linear, quantize_rows_reference
+
     F = spec.frame_tokens
     b0 = model.blocks[0]
     h = torch.randn(F, spec.dim, device=device, dtype=dtype)
     a = torch.randn(F, b0.attn_out.in_features, device=device, dtype=dtype)
     m = torch.randn(F, b0.mlp_out.in_features, device=device, dtype=dtype)
+    if isinstance(b0.qkv, FP8Linear) and b0.fused_forward is not None:
+        h8, m8 = quantize_rows_reference(h), quantize_rows_reference(m)
 
-    def run() -> None:
-        for _ in range(spec.passes):
-            for blk in model.blocks:
-                blk.qkv(h), blk.attn_out(a), blk.mlp_in(h), blk.mlp_out(m)
+        def run() -> None:
+            for _ in range(spec.passes):
+                for blk in model.blocks:
+                    blk.qkv.forward_quantized(*h8), blk.attn_out(a), blk.mlp_in.forward_quantized(*h8)
+                    blk.mlp_out.forward_quantized(*m8)
+    else:
+        def run() -> None:
+            for _ in range(spec.passes):
+                for blk in model.blocks:
+                    blk.qkv(h), blk.attn_out(a), blk.mlp_in(h), blk.mlp_out(m)
 
     return run
 

@@ -66,9 +66,16 @@ class Block(nn.Module):
         self.modulation = nn.Parameter(torch.randn(4, spec.dim) / math.sqrt(spec.dim))
         # Sums the block's partial output across tensor-parallel ranks (engine/parallel.py sets it).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # Optional inference-only replacement with fused kernels (engine/kernels/fused_block.py).
+        self.fused_forward: Callable | None = None
+
+    def reduce_is_identity(self) -> bool:
+        return self.reduce is _identity
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, attend: Callable) -> torch.Tensor:
         # x (..., N, dim); mod (4, dim) for one noise level, or (4, ..., N, dim) per token
+        if self.fused_forward is not None and x.ndim == 2 and mod.ndim == 2 and not torch.is_grad_enabled():
+            return self.fused_forward(self, x, mod, attend)
         table = self.modulation.view(4, *([1] * (mod.ndim - 2)), -1)
         shift, scale, gate_attn, gate_mlp = (mod + table).unbind(0)
         h = modulate(self.norm(x), shift, scale)

@@ -466,15 +466,26 @@ class TeacherForcingAttention:
         mask[:, :, :R] = True
         for ti in range(T):
             for j in range(W):
-                frame = ti - W + 1 + j
-                if frame < 0:
-                    continue
+                if ti - W + 1 + j < 0:
+                    continue  # before the clip: an empty slot, as at a session's start
                 cols = slice(R + j * F_, R + (j + 1) * F_)
                 mask[ti, :F_, cols] = True  # context queries see their own context copy
                 if j < W - 1:
                     mask[ti, F_:, cols] = True  # target queries see only earlier context
             mask[ti, F_:, R + W * F_:] = True
-        self.mask = mask.to(device).unsqueeze(0).expand(spec.n_heads, -1, -1, -1).reshape(spec.n_heads * T, 2 * F_, S)
+        self.mask = mask  # (T, 2F, S): which keys each query of frame t sees
+        # The mask rides in extra head dims instead of an attn_mask, so SDPA may pick its flash
+        # kernel: queries carry a one-hot of their kind (context, target), keys -BIG for the kinds
+        # that must not see them, so a masked score is -1e4 after scaling and its weight exactly 0.
+        D = spec.head_dim
+        self.extra = 2 + (-(D + 2)) % 8  # keep the head dim a multiple of 8
+        big = 1e4 * math.sqrt(D)
+        q_flag = torch.zeros(2 * F_, self.extra)
+        q_flag[:F_, 0], q_flag[F_:, 1] = 1.0, 1.0
+        k_flag = torch.zeros(T, S, self.extra)
+        k_flag[..., 0] = torch.where(mask[:, 0], 0.0, -big)
+        k_flag[..., 1] = torch.where(mask[:, F_], 0.0, -big)
+        self.q_flag, self.k_flag = q_flag.to(device, dtype), k_flag.to(device, dtype)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, T = self.spec, self.T
@@ -503,10 +514,14 @@ class TeacherForcingAttention:
             padded = F.pad(x, (0, 0, 0, 0, W - 1, 0))
             return padded.unfold(2, W, 1).permute(0, 1, 2, 5, 3, 4).reshape(B, H, T, W * F_, D)
 
-        keys = torch.cat([ks, window(kc), kt], dim=3).reshape(B, H * T, -1, D)
-        values = torch.cat([vs, window(vc), vt], dim=3).reshape(B, H * T, -1, D)
-        queries = torch.cat([qc, qt], dim=3).reshape(B, H * T, 2 * F_, D)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask).view(B, H, T, 2 * F_, D)
+        E = self.extra
+        keys = torch.cat([ks, window(kc), kt], dim=3)  # (B, H, T, S, D)
+        keys = torch.cat([keys, self.k_flag.to(q.dtype).expand(B, H, -1, -1, -1)], dim=-1).reshape(B, H * T, -1, D + E)
+        values = F.pad(torch.cat([vs, window(vc), vt], dim=3), (0, E)).reshape(B, H * T, -1, D + E)
+        queries = torch.cat([qc, qt], dim=3)  # (B, H, T, 2F, D)
+        queries = torch.cat([queries, self.q_flag.to(q.dtype).expand(B, H, T, -1, -1)], dim=-1).reshape(B, H * T, 2 * F_, D + E)
+        out = F.scaled_dot_product_attention(queries, keys, values, scale=1.0 / math.sqrt(D))
+        out = out[..., :D].view(B, H, T, 2 * F_, D)
         ctx_out, tgt_out = out[:, :, :, :F_].flatten(2, 3), out[:, :, :, F_:].flatten(2, 3)
         return torch.cat([ref_out, ctx_out, tgt_out], dim=2)
 

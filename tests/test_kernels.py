@@ -135,3 +135,73 @@ def test_scaled_mm_path_matches_the_dequantised_reference():
     assert fast.use_scaled_mm
     a, b = fast(x).float(), ref(x).float()
     assert ((a - b).norm() / b.norm()).item() <= 1e-2
+
+
+# Fused block kernels ---------------------------------------------------------------
+
+
+def test_ln_modulate_quant_matches_float_reference():
+    from engine.kernels.fused_block import ln_modulate_quant
+    from engine.model import modulate
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(33, 96, generator=g) * 3 + 1).to(DEVICE)
+    shift, scale = torch.randn(96, generator=g).to(DEVICE), torch.randn(96, generator=g).to(DEVICE) * 0.3
+    h8, sh = ln_modulate_quant(x, shift, scale)
+    ref = modulate(torch.nn.functional.layer_norm(x.float(), (96,), eps=1e-6), shift, scale)
+    r8, rs = quantize_rows_reference(ref)
+    assert torch.allclose(sh, rs, rtol=1e-5)
+    close_fp8(h8, r8, rs)
+
+
+def test_qkv_head_norm_matches_the_model_norms():
+    from engine.kernels.fused_block import qkv_head_norm
+    from engine.model import HeadRMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    H, D, N = 3, SPEC.head_dim, 41
+    norms = [HeadRMSNorm(H, D).to(DEVICE) for _ in range(3)]
+    for n in norms:
+        n.weight.data = (torch.rand(H, D, generator=g) + 0.5).to(DEVICE)
+    qkv = torch.randn(N, 3 * H * D, generator=g).to(DEVICE)
+    fused = qkv_head_norm(qkv, *(n.weight for n in norms))
+    split = qkv.unflatten(-1, (3, H, D)).permute(1, 2, 0, 3)
+    for i in range(3):
+        assert torch.allclose(fused[i], norms[i](split[i]), atol=1e-5)
+
+
+def test_swiglu_quant_and_gated_sum_match_float_reference():
+    from engine.kernels.fused_block import gated_sum, swiglu_quant
+
+    g = torch.Generator().manual_seed(6)
+    gu = torch.randn(29, 2 * 80, generator=g).to(DEVICE)
+    m8, sm = swiglu_quant(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    r8, rs = quantize_rows_reference(torch.nn.functional.silu(gate) * up)
+    assert torch.allclose(sm, rs, rtol=1e-5)
+    close_fp8(m8, r8, rs)
+    a, m, x = (torch.randn(29, 2100, generator=g).to(DEVICE) for _ in range(3))
+    ga, gm = torch.randn(2100, generator=g).to(DEVICE), torch.randn(2100, generator=g).to(DEVICE)
+    assert torch.allclose(gated_sum(a, m, ga, gm), ga * a + gm * m, atol=1e-5)
+    assert torch.allclose(gated_sum(a, m, ga, gm, x), x + ga * a + gm * m, atol=1e-5)
+
+
+def test_fused_block_tracks_the_plain_block():
+    import copy
+
+    from engine.kernels.fp8_linear import quantize_linears_
+
+    model = _model()
+    plain = quantize_linears_(copy.deepcopy(model), fuse=False)
+    fused = quantize_linears_(copy.deepcopy(model), fuse=True)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SPEC.frame_tokens, SPEC.dim, generator=g).to(DEVICE, next(model.parameters()).dtype)
+    mod, _ = model.time_modulation(torch.tensor(0.5, device=DEVICE))
+    from engine.cache import attention
+
+    attend = lambda q, k, v: attention(q, k, v)
+    with torch.no_grad():
+        want = plain.blocks[0](x, mod, attend).float()
+        got = fused.blocks[0](x, mod, attend).float()
+    assert ((got - want).norm() / want.norm()).item() <= 2e-2
+    assert fused.blocks[0].fused_forward is not None and plain.blocks[0].fused_forward is None

@@ -12,7 +12,7 @@ import pytest
 from voice.agent import PersonaAgent
 from voice.asr import WhisperASR
 from voice.audio import SAMPLE_RATE, resample
-from voice.loop import AudioSink, LoopEvent, VoiceLoop, VoiceLoopConfig, feed_audio
+from voice.loop import AudioSink, LoopEvent, VoiceLoop, VoiceLoopConfig, _AudioHistory, feed_audio
 from voice.samples import sample_speech, with_silence
 from voice.trace import read_jsonl
 from voice.tts import PiperTTS
@@ -49,12 +49,11 @@ class ScriptedAgent:
     def __init__(self, *replies) -> None:
         self.replies = list(replies)
         self.heard: list[str] = []
+        self.histories: list[list[tuple[str, str]]] = []
 
-    def reset(self) -> None:
-        pass
-
-    def stream_reply(self, user_text: str) -> Iterator[str]:
+    def stream_reply(self, user_text: str, history=()) -> Iterator[str]:
         self.heard.append(user_text)
+        self.histories.append(list(history))
         reply = self.replies.pop(0) if self.replies else "Okay."
         if isinstance(reply, Exception):
             raise reply
@@ -161,6 +160,11 @@ def test_barge_in_stops_playback_and_the_loop_listens(models):
     assert "barge_in" in kinds(events)
     assert "wait" in agent.heard[1].lower()
     assert second.info["status"] == "completed"
+    # The agent remembers the story only as far as it was spoken.
+    [(said, spoken)] = agent.histories[1]
+    assert said == first.info["user_text"]
+    assert spoken == " ".join(LONG_REPLY[: len(story_pushes)])  # one push per sentence
+    assert loop.conversation[-1] == (second.info["user_text"], "Sure, I'm listening.")
 
 
 def test_barge_in_can_be_turned_off(models):
@@ -186,6 +190,7 @@ def test_a_user_who_keeps_talking_after_a_pause_stays_in_one_turn(models):
     assert statuses[0] == "continued"
     answered = [t for t in loop.trace.turns if t.info.get("status") == "completed"]
     assert len(answered) == 1 and agent.heard == [answered[0].info["user_text"]]
+    assert agent.histories == [[]] and len(loop.conversation) == 1
     heard = agent.heard[0].lower()
     assert "hello" in heard and "keys" in heard
 
@@ -252,3 +257,15 @@ def test_close_is_clean_and_final(models):
 
 def test_the_sink_protocol_is_what_the_engine_implements():
     assert isinstance(FakeEngineSink(), AudioSink)
+
+
+def test_audio_history_ring_keeps_absolute_sample_indices():
+    ring = _AudioHistory(10)
+    stream = np.arange(37, dtype=np.float32)
+    for size in (3, 7, 1, 12, 14):  # 12 and 14 overflow the ring in one call
+        start = ring.total
+        ring.append(stream[start : start + size])
+    assert ring.total == 37 and ring.first == 27
+    np.testing.assert_array_equal(ring.slice(0, 37), stream[27:])
+    np.testing.assert_array_equal(ring.slice(30, 33), stream[30:33])
+    assert ring.slice(40, 50).size == 0

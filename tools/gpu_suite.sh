@@ -11,13 +11,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
 parts=${*:-all}
-run() { echo "== $*"; "$@"; }
+run() { echo "== $*" >&2; "$@"; }
 for part in $parts; do
   if [[ $part == tests || $part == all ]]; then
     run python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cache.py tests/test_session.py tests/test_parallel.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5
   fi
   if [[ $part == attention || $part == all ]]; then
-    run python3 -m engine.bench attention --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
+    run python3 -m engine.bench attention --tp-shard 3 --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
   fi
   if [[ $part == step || $part == all ]]; then
     run python3 -m engine.bench step --spec characters-57b --tp-shard 3 --json ${STEP_ARGS:-} > "$OUT/step_tp3.json" && cat "$OUT/step_tp3.json"

@@ -65,17 +65,25 @@ class FP8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if self.use_scaled_mm:
-            x8, sx = quantize_rows(x2 if x2.stride(1) == 1 else x2.contiguous())
-            y = torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.weight_scale, out_dtype=torch.bfloat16)
+            y = self.forward_quantized(*quantize_rows(x2 if x2.stride(1) == 1 else x2.contiguous()))
         else:
-            x8, sx = quantize_rows_reference(x2)
-            y = ((x8.float() * sx) @ (self.weight8.float() * self.weight_scale.t()).t()).to(x.dtype)
+            y = self.forward_quantized(*quantize_rows_reference(x2)).to(x.dtype)
         return y.reshape(*lead, self.out_features)
 
+    def forward_quantized(self, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """Already-quantised activations (M, K) e4m3 with per-row scales (M, 1) -> (M, N) bf16."""
+        if self.use_scaled_mm:
+            return torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.weight_scale, out_dtype=torch.bfloat16)
+        return ((x8.float() * sx) @ (self.weight8.float() * self.weight_scale.t()).t()).to(torch.bfloat16)
 
-def quantize_linears_(model: nn.Module, names: tuple[str, ...] = ("qkv", "attn_out", "mlp_in", "mlp_out")) -> nn.Module:
-    """Swap the blocks' big linears for FP8Linear, in place."""
+
+def quantize_linears_(model: nn.Module, fuse: bool = True) -> nn.Module:
+    """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels."""
+    from engine.kernels.fused_block import block_forward
+
     for block in model.blocks:
-        for name in names:
-            setattr(block, name, FP8Linear(getattr(block, name)))
+        for name in ("qkv", "attn_out", "mlp_in", "mlp_out"):
+            if not isinstance(getattr(block, name), FP8Linear):
+                setattr(block, name, FP8Linear(getattr(block, name)))
+        block.fused_forward = block_forward if fuse else None
     return model

@@ -1,0 +1,128 @@
+"""A block's elementwise work fused around its FP8 GEMMs (serving path, inference only).
+
+The plain block (engine/model.py) runs ~35 small kernels per pass; this runs 4 of its
+own beside the GEMMs and attention:
+
+    ln_modulate_quant   LayerNorm -> (1 + scale), + shift -> per-token FP8, shared by q/k/v and MLP-in
+    qkv_head_norm       the per-head RMS norms of q, k and v in one launch -> (H, N, D) each
+    swiglu_quant        silu(gate) * up -> per-token FP8 for MLP-out
+    gated_sum           gate_attn * a + gate_mlp * m (+ x when there is no all-reduce between)
+
+Every kernel is held to the plain PyTorch computation in tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine import fp8
+from engine.kernels import interpreting
+from engine.kernels.common import to_fp8
+
+
+@triton.jit
+def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_K)
+    ok = c < K
+    v = tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
+    mean = tl.sum(v, 0) / K
+    diff = tl.where(ok, v - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, 0) / K + eps)
+    h = diff * rstd * (1.0 + tl.load(scale + c, mask=ok, other=0.0).to(tl.float32)) + tl.load(shift + c, mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(tl.where(ok, h, 0.0)), 0), 1e-12) / 448.0
+    tl.store(h8 + row * K + c, to_fp8(h / s, EXACT), mask=ok)
+    tl.store(sh + row, s)
+
+
+def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
+    """x (N, K) -> FP8 of modulate(layer_norm(x)) (N, K) and per-token scales (N, 1)."""
+    N, K = x.shape
+    h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
+    sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
+    _ln_mod_quant_kernel[(N,)](x, shift, scale, h8, sh, K, eps, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
+                               num_warps=8 if K >= 4096 else 4)
+    return h8, sh
+
+
+@triton.jit
+def _qkv_norm_kernel(qkv, w, out, N, H, eps, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    pid_t, r = tl.program_id(0), tl.program_id(1)  # r = which * H + head, which in (q, k, v)
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D)
+    m = (tok < N)[:, None]
+    x = tl.load(qkv + tok[:, None] * (3 * H * D) + r * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, 1) / D + eps)[:, None] * tl.load(w + r * D + d)[None, :].to(tl.float32)
+    tl.store(out + r * N * D + tok[:, None] * D + d[None, :], y.to(out.dtype.element_ty), mask=m)
+
+
+def qkv_head_norm(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor, eps: float = 1e-6):
+    """qkv (N, 3*H*D) -> RMS-normalised q, k, v, each (H, N, D); gains (H, D)."""
+    N = qkv.shape[0]
+    H, D = q_w.shape
+    out = torch.empty(3, H, N, D, device=qkv.device, dtype=qkv.dtype)
+    w = torch.stack([q_w, k_w, v_w])
+    _qkv_norm_kernel[(triton.cdiv(N, 32), 3 * H)](qkv, w, out, N, H, eps, D=D, BLOCK_T=32)
+    return out.unbind(0)
+
+
+@triton.jit
+def _swiglu_quant_kernel(gu, m8, sm, K, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_K)
+    ok = c < K
+    g = tl.load(gu + row * 2 * K + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu + row * 2 * K + K + c, mask=ok, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    s = tl.maximum(tl.max(tl.abs(y), 0), 1e-12) / 448.0
+    tl.store(m8 + row * K + c, to_fp8(y / s, EXACT), mask=ok)
+    tl.store(sm + row, s)
+
+
+def swiglu_quant(gu: torch.Tensor):
+    """gu (N, 2K) = [gate | up] -> FP8 of silu(gate) * up (N, K) and per-token scales (N, 1)."""
+    N, K2 = gu.shape
+    K = K2 // 2
+    m8 = torch.empty(N, K, device=gu.device, dtype=fp8.FP8)
+    sm = torch.empty(N, 1, device=gu.device, dtype=torch.float32)
+    _swiglu_quant_kernel[(N,)](gu, m8, sm, K, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
+                               num_warps=8 if K >= 4096 else 4)
+    return m8, sm
+
+
+@triton.jit
+def _gated_sum_kernel(a, m, ga, gm, x, y, K, HAS_X: tl.constexpr, BLOCK_K: tl.constexpr):
+    row, pid = tl.program_id(0), tl.program_id(1)
+    c = pid * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = c < K
+    out = (tl.load(ga + c, mask=ok, other=0.0).to(tl.float32) * tl.load(a + row * K + c, mask=ok, other=0.0).to(tl.float32)
+           + tl.load(gm + c, mask=ok, other=0.0).to(tl.float32) * tl.load(m + row * K + c, mask=ok, other=0.0).to(tl.float32))
+    if HAS_X:
+        out += tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y + row * K + c, out.to(y.dtype.element_ty), mask=ok)
+
+
+def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor | None = None):
+    """gate_a * a + gate_m * m (+ x), rows of (N, K)."""
+    N, K = a.shape
+    y = torch.empty_like(x if x is not None else a)
+    _gated_sum_kernel[(N, triton.cdiv(K, 1024))](a, m, gate_a, gate_m, x if x is not None else a, y, K,
+                                                  HAS_X=x is not None, BLOCK_K=1024)
+    return y
+
+
+def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Tensor:
+    """Block.forward for one frame (x (N, dim), mod (4, dim)) with FP8 linears, fused."""
+    shift, scale, gate_attn, gate_mlp = (mod + block.modulation).unbind(0)
+    h8, sh = ln_modulate_quant(x, shift.contiguous(), scale.contiguous(), block.norm.eps)
+    q, k, v = qkv_head_norm(block.qkv.forward_quantized(h8, sh), block.q_norm.weight, block.k_norm.weight,
+                            block.v_norm.weight, block.q_norm.eps)
+    a = attend(q, k, v)  # (H, N, D)
+    a = block.attn_out(a.transpose(0, 1).flatten(-2))
+    m = block.mlp_out.forward_quantized(*swiglu_quant(block.mlp_in.forward_quantized(h8, sh)))
+    gate_attn, gate_mlp = gate_attn.contiguous(), gate_mlp.contiguous()
+    if block.reduce_is_identity():
+        return gated_sum(a, m, gate_attn, gate_mlp, x)
+    return x + block.reduce(gated_sum(a, m, gate_attn, gate_mlp))
