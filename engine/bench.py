@@ -333,10 +333,10 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     configs = []
     for block_m in (64, 128):
         for block_n in (64, 128):
-            for splits in (1, 2, 3):
+            for splits in (1, 2):
                 for warps in (4, 8):
-                    for stages in (2, 3):
-                        opts = dict(block_m=block_m, block_n=block_n, splits=splits, num_warps=warps, num_stages=stages)
+                    for pv_fp8 in (True, False):
+                        opts = dict(block_m=block_m, block_n=block_n, splits=splits, num_warps=warps, num_stages=3, pv_fp8=pv_fp8)
                         try:
                             att = FP8Attention(H, M, S, D, device, **opts)
                             fn = lambda: att(q8, k8, vt8, valid, qks, scale, out)

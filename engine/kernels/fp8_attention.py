@@ -32,6 +32,7 @@ def _attn_kernel(
     part_o, part_m, part_l,  # (SPLITS, H, M, D) f32, (SPLITS, H, M) f32 x2 when SPLITS > 1
     H, M, S, blocks_per_split,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr,
+    PV_FP8: tl.constexpr,
 ):
     pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -57,7 +58,10 @@ def _attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :], mask=col_ok[None, :], other=0.0)
         acc = acc * alpha[:, None]
-        acc = tl.dot(to_fp8(p * 256.0, EXACT), tl.trans(v_blk), acc)
+        if PV_FP8:
+            acc = tl.dot(to_fp8(p * 256.0, EXACT), tl.trans(v_blk), acc)
+        else:  # P in bf16 against V widened to bf16: half the rate, less rounding
+            acc = tl.dot((p * 256.0).to(tl.bfloat16), tl.trans(v_blk).to(tl.bfloat16), acc)
         m_i = m_new
     if SPLITS == 1:
         o = acc * (tl.load(v_scale + h) / 256.0) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -95,10 +99,11 @@ class FP8Attention:
     """Launcher with its split buffers allocated once (static shapes, CUDA-graph safe)."""
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device: torch.device,
-                 block_m: int = 128, block_n: int = 64, splits: int = 1, num_warps: int = 8, num_stages: int = 2):
+                 block_m: int = 64, block_n: int = 128, splits: int = 1, num_warps: int = 4, num_stages: int = 3,
+                 pv_fp8: bool = True):
         self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
         self.block_m, self.block_n, self.splits = block_m, block_n, splits
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.pv_fp8 = num_warps, num_stages, pv_fp8
         self.blocks_per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n)
         shape = (max(splits, 1), n_heads, n_queries)
         self.part_o = torch.empty(*shape, head_dim, device=device, dtype=torch.float32) if splits > 1 else None
@@ -120,7 +125,7 @@ class FP8Attention:
             self.part_l if self.splits > 1 else dummy,
             H, M, self.S, self.blocks_per_split,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, SPLITS=self.splits, EXACT=interpreting(),
-            num_warps=self.num_warps, num_stages=self.num_stages,
+            PV_FP8=self.pv_fp8, num_warps=self.num_warps, num_stages=self.num_stages,
         )
         if self.splits > 1:
             _merge_kernel[(triton.cdiv(M, 64), H)](
