@@ -107,6 +107,7 @@ def bench_cache(spec: ModelSpec, device: torch.device, dtype: torch.dtype, repea
     per_step_reset = z_ms / spec.reset_every
     return {
         "bench": "cache",
+        "date": time.strftime("%Y-%m-%d"),
         "spec": spec.name,
         "shape": {"layers": L, "heads": spec.n_heads, "head_dim": spec.head_dim, "cache_slots": spec.cache_slots,
                   "new_tokens": F, "passes": spec.passes, "attention_calls_per_step": calls},
@@ -217,7 +218,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     dtype = torch.bfloat16
     ref_latent = torch.randn(full.latent_channels, *full.latent_grid, device=device, dtype=dtype)
     audio = torch.randn(full.frames_per_latent, full.n_mels, device=device)
-    result: dict = {"bench": "step", "spec": full.name, "tp_shard": tp, "communication": "left out (one rank's compute only)",
+    result: dict = {"bench": "step", "date": time.strftime("%Y-%m-%d"), "spec": full.name, "tp_shard": tp, "communication": "left out (one rank's compute only)",
                     "device": _device_name(device), "torch": torch.__version__, "steps_timed": steps}
     try:
         import triton
@@ -333,23 +334,24 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     configs = []
     for block_m in (64, 128):
         for block_n in (64, 128):
-            for splits in (1, 2):
-                for warps in (4, 8):
-                    for pv_fp8 in (True, False):
-                        opts = dict(block_m=block_m, block_n=block_n, splits=splits, num_warps=warps, num_stages=3, pv_fp8=pv_fp8)
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    for ws in (False, True):
+                        opts = dict(block_m=block_m, block_n=block_n, splits=1, num_warps=warps, num_stages=stages,
+                                    pv_fp8=True, warp_specialize=ws)
                         try:
                             att = FP8Attention(H, M, S, D, device, **opts)
                             fn = lambda: att(q8, k8, vt8, valid, qks, scale, out)
                             ms = event_ms(fn, device, repeats)
                             err = ((out.float() - ref).norm() / ref.norm()).item()
                         except Exception as e:  # a configuration the compiler rejects (shared memory, registers)
-                            configs.append({**opts, "error": type(e).__name__})
+                            configs.append({**opts, "error": f"{type(e).__name__}: {str(e)[:120]}"})
                             continue
                         configs.append({**opts, "us": 1000 * ms, "rel_err": err})
     ok = [c for c in configs if "us" in c]
     best = min(ok, key=lambda c: c["us"])
     flops = 4 * H * M * spec.cache_slots * D
-    return {"bench": "attention", "spec": spec_name, "tp_shard": tp, "shape": {"heads": H, "queries": M, "slots": S, "head_dim": D},
+    return {"bench": "attention", "date": time.strftime("%Y-%m-%d"), "spec": spec_name, "tp_shard": tp, "shape": {"heads": H, "queries": M, "slots": S, "head_dim": D},
             "device": _device_name(device), "torch": torch.__version__, "sdpa_bf16_us": 1000 * sdpa, "fp8_best": best,
             "speedup": 1000 * sdpa / best["us"], "fp8_tflops": flops / best["us"] / 1e6, "sdpa_tflops": flops / sdpa / 1e9,
             "configs": configs}

@@ -2,6 +2,7 @@
 
     python -m engine.quality lipsync --spec demo --audio speech.wav --json
     python -m engine.quality lipsync --spec demo --audio speech.wav --minutes 10 --json   # long session
+    python -m engine.quality sheet --spec demo --audio speech.wav --presets ada,kofi --out docs/contact.png
 
 The mouth opening of each frame is read from the pixels: the character's geometry is
 known (engine.character), so a box that holds the mouth at every head position is
@@ -22,8 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import struct
 import sys
 import time
+import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -238,6 +242,51 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
     }
 
 
+# Contact sheets ------------------------------------------------------------------------------
+def write_png(path: str | Path, rgb: np.ndarray) -> None:
+    """(H, W, 3) uint8 -> PNG file, with nothing but zlib."""
+    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
+    if rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ValueError(f"PNG picture must be (H, W, 3) uint8, got {rgb.shape}")
+    h, w, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    Path(path).write_bytes(png)
+
+
+def contact_sheet(rows: list[np.ndarray], every: int, columns: int) -> np.ndarray:
+    """Rows of frames (T, H, W, 3) -> one picture: every `every`-th frame, `columns` per row."""
+    out = []
+    for frames in rows:
+        picks = frames[::every][:columns]
+        if picks.shape[0] < columns:
+            raise ValueError(f"{frames.shape[0]} frames are too few for {columns} columns every {every}")
+        out.append(np.concatenate(list(picks), axis=1))
+    return np.concatenate(out, axis=0)
+
+
+def sheet(spec, pcm: np.ndarray, presets: list[str], out: str | Path, *, every: int = 6, columns: int = 8,
+          with_renderer: bool = True, **engine_kwargs) -> dict:
+    """Generated frames of each preset (and the renderer's own, for comparison) as a PNG."""
+    n = every * columns
+    need = math.ceil(n / spec.fps * SAMPLE_RATE)
+    pcm = np.concatenate([pcm, np.zeros(max(0, need - pcm.size), np.float32)])[:need]
+    rows, trained = [], False
+    for preset in presets:
+        gen, trained = engine_frames(spec, pcm, preset, **engine_kwargs)
+        rows.append(np.concatenate([rgb for _, rgb in gen])[:n])
+        if with_renderer:
+            rows.append(ch.render_audio(pcm, preset, seed=engine_kwargs.get("seed", 0), size=spec.image_size, n_frames=n)[0].numpy())
+    write_png(out, contact_sheet(rows, every, columns))
+    return {"out": str(out), "presets": presets, "rows": len(rows), "frames_every": every, "trained_weights": trained,
+            "layout": "per preset: generated row, then the renderer's row" if with_renderer else "generated rows"}
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.cache import KV_DTYPES
     from engine.config import SPECS, get_spec
@@ -259,7 +308,31 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--minutes", type=float, default=None, help="long session: loop the audio this long, report per minute")
     ls.add_argument("--max-seconds", type=float, default=120.0, help="refuse longer audio")
     ls.add_argument("--json", action="store_true", help="print one JSON object")
+    sh = sub.add_parser("sheet", help="contact sheet PNG of generated frames (and the renderer's) per preset")
+    sh.add_argument("--spec", default="demo", choices=sorted(SPECS))
+    sh.add_argument("--audio", required=True)
+    sh.add_argument("--presets", default="ada,kofi", help="comma-separated")
+    sh.add_argument("--out", required=True, help="PNG to write")
+    sh.add_argument("--every", type=int, default=6, help="take every n-th frame")
+    sh.add_argument("--columns", type=int, default=8)
+    sh.add_argument("--weights")
+    sh.add_argument("--device", default="cpu")
+    sh.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.cmd == "sheet":
+        try:
+            spec = get_spec(args.spec)
+            presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+            for name in presets:
+                ch.get_look(name)
+            pcm = read_audio(args.audio, max_seconds=600)
+            info = sheet(spec, pcm, presets, args.out, every=args.every, columns=args.columns, weights=args.weights,
+                         device=args.device, seed=args.seed)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(info))
+        return 0
     try:
         spec = get_spec(args.spec)
         ch.get_look(args.preset)

@@ -386,6 +386,8 @@ def train_codec(spec: ModelSpec, tracks: Tracks, *, minutes: float, device: torc
                 latent_noise: float = 0.15, max_steps: int | None = None) -> TrainedCodec:
     torch.manual_seed(seed)
     codec = build_codec(spec, seed=seed).to(device).train()
+    if device.type == "cuda":
+        codec = codec.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(codec.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=1e-4)
     ema = EMA(codec, 0.998)
     state_path = work / f"{spec.name}-codec-state.pt"
@@ -396,8 +398,6 @@ def train_codec(spec: ModelSpec, tracks: Tracks, *, minutes: float, device: torc
         log(phase="codec", event="resumed", step=step, elapsed=elapsed)
     sampler = FrameSampler(spec, tracks, seed + step, device)
     clock, last_save = Clock(minutes, elapsed), time.perf_counter()
-    if device.type == "cuda":
-        codec = codec.to(memory_format=torch.channels_last)
     log(phase="codec", event="start", params=sum(p.numel() for p in codec.parameters()), batch=batch, device=str(device))
     while clock.frac < 1.0 and (max_steps is None or step < max_steps):
         with torch.no_grad():

@@ -21,7 +21,6 @@ import triton.language as tl
 from engine.kernels import interpreting
 from engine.kernels.common import to_fp8
 
-P_SCALE = 256.0
 LOG2E = 1.4426950408889634
 
 
@@ -32,7 +31,7 @@ def _attn_kernel(
     part_o, part_m, part_l,  # (SPLITS, H, M, D) f32, (SPLITS, H, M) f32 x2 when SPLITS > 1
     H, M, S, blocks_per_split,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr,
-    PV_FP8: tl.constexpr,
+    PV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -44,13 +43,14 @@ def _attn_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     lo = split * blocks_per_split * BLOCK_N
-    for i in range(0, blocks_per_split):
+    for i in tl.range(0, blocks_per_split, warp_specialize=WARP_SPECIALIZE):
         cols = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < S
         k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q_blk, tl.trans(k_blk)) * scale
-        live = tl.load(valid + cols, mask=col_ok, other=0) != 0
-        s = tl.where(live[None, :], s, float("-inf"))
+        # +8 in log2 units scales every probability by 256, so small ones keep precision in e4m3;
+        # numerator and denominator carry the same factor, which cancels at the end.
+        bias = tl.where(tl.load(valid + cols, mask=col_ok, other=0) != 0, 8.0, float("-inf"))
+        s = tl.dot(q_blk, tl.trans(k_blk)) * scale + bias[None, :]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no live slot yet
         p = tl.exp2(s - m_safe[:, None])
@@ -59,12 +59,12 @@ def _attn_kernel(
         v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :], mask=col_ok[None, :], other=0.0)
         acc = acc * alpha[:, None]
         if PV_FP8:
-            acc = tl.dot(to_fp8(p * 256.0, EXACT), tl.trans(v_blk), acc)
+            acc = tl.dot(to_fp8(p, EXACT), tl.trans(v_blk), acc)
         else:  # P in bf16 against V widened to bf16: half the rate, less rounding
-            acc = tl.dot((p * 256.0).to(tl.bfloat16), tl.trans(v_blk).to(tl.bfloat16), acc)
+            acc = tl.dot(p.to(tl.bfloat16), tl.trans(v_blk).to(tl.bfloat16), acc)
         m_i = m_new
     if SPLITS == 1:
-        o = acc * (tl.load(v_scale + h) / 256.0) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o = acc * tl.load(v_scale + h) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out + rows[:, None] * s_om + h * s_oh + d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
     else:
         base = (split * H + h) * M
@@ -91,7 +91,7 @@ def _merge_kernel(part_o, part_m, part_l, v_scale, out, s_om, s_oh, H, M,
         w = tl.exp2(tl.load(part_m + base + rows, mask=row_ok, other=float("-inf")) - m_safe)
         l += w * tl.load(part_l + base + rows, mask=row_ok, other=0.0)
         acc += w[:, None] * tl.load(part_o + (base + rows)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-    o = acc * (tl.load(v_scale + h) / 256.0) / tl.where(l == 0.0, 1.0, l)[:, None]
+    o = acc * tl.load(v_scale + h) / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(out + rows[:, None] * s_om + h * s_oh + d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
 
 
@@ -100,10 +100,11 @@ class FP8Attention:
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device: torch.device,
                  block_m: int = 64, block_n: int = 128, splits: int = 1, num_warps: int = 4, num_stages: int = 3,
-                 pv_fp8: bool = True):
+                 pv_fp8: bool = True, warp_specialize: bool = False):
         self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
         self.block_m, self.block_n, self.splits = block_m, block_n, splits
         self.num_warps, self.num_stages, self.pv_fp8 = num_warps, num_stages, pv_fp8
+        self.warp_specialize = warp_specialize and not interpreting()
         self.blocks_per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n)
         shape = (max(splits, 1), n_heads, n_queries)
         self.part_o = torch.empty(*shape, head_dim, device=device, dtype=torch.float32) if splits > 1 else None
@@ -125,7 +126,7 @@ class FP8Attention:
             self.part_l if self.splits > 1 else dummy,
             H, M, self.S, self.blocks_per_split,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, SPLITS=self.splits, EXACT=interpreting(),
-            PV_FP8=self.pv_fp8, num_warps=self.num_warps, num_stages=self.num_stages,
+            PV_FP8=self.pv_fp8, WARP_SPECIALIZE=self.warp_specialize, num_warps=self.num_warps, num_stages=self.num_stages,
         )
         if self.splits > 1:
             _merge_kernel[(triton.cdiv(M, 64), H)](
