@@ -18,7 +18,7 @@ from engine.cache import KV_DTYPES
 from engine.config import SPECS, get_spec
 from engine.media import Mp4Writer, read_audio
 from engine.realtime import RealtimeCharacter
-from engine.session import CACHES, EngineSession
+from engine.session import EngineSession
 from engine.weights import load_engine
 
 
@@ -28,6 +28,24 @@ def pick_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
     return torch.device(name)
+
+
+ATTENTION = ("auto", "triton", "sdpa", "reference")
+
+
+def make_session(model, args) -> EngineSession:
+    """The session the flags ask for, with one log line naming the paths it runs."""
+    if args.gemm == "fp8":
+        from engine.kernels.fp8_linear import quantize_linears_
+
+        quantize_linears_(model, fuse=next(model.parameters()).is_cuda)
+    cache = "reference" if args.attention == "reference" else "ring"
+    backend = {"auto": "auto", "triton": "triton", "sdpa": "torch", "reference": "torch"}[args.attention]
+    session = EngineSession(model, cache=cache, kv_dtype=args.kv_dtype, reset_every=args.reset_every, seed=args.seed,
+                            backend=backend, cuda_graph=args.cuda_graph)
+    print(f"engine: cache={cache} backend={session.backend} kv={args.kv_dtype if cache == 'ring' else 'float'} "
+          f"gemm={args.gemm} cuda_graph={args.cuda_graph} device={session.device}", file=sys.stderr)
+    return session
 
 
 def default_reference(spec, codec) -> torch.Tensor:
@@ -44,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="MP4 to write")
     p.add_argument("--weights", help="checkpoint (default: the one shipped for the spec)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--cache", default="ring", choices=CACHES)
+    p.add_argument("--attention", default="auto", choices=ATTENTION,
+                   help="triton: FP8 ring + Triton kernels; sdpa: FP8 ring read by PyTorch SDPA; "
+                        "reference: the plain path (float cache, read-time RoPE); auto: triton where it runs")
+    p.add_argument("--gemm", default="bf16", choices=("bf16", "fp8"), help="block linears in bf16 or FP8")
+    p.add_argument("--cuda-graph", action="store_true", help="replay each step's passes as one CUDA graph (triton only)")
     p.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
     p.add_argument("--reset-every", type=int, default=None, help="steps between position resets (0: never)")
     p.add_argument("--seed", type=int, default=0)
@@ -60,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         model, codec, trained = load_engine(spec, weights=args.weights, device=device, dtype=dtype, seed=args.seed)
         if not trained:
             print(f"note: no trained weights for spec {spec.name}: random weights, so the picture is noise", file=sys.stderr)
-        session = EngineSession(model, cache=args.cache, kv_dtype=args.kv_dtype, reset_every=args.reset_every, seed=args.seed)
+        session = make_session(model, args)
         session.start(default_reference(spec, codec))
         character = RealtimeCharacter(session, codec)
         character.push_audio(pcm, SAMPLE_RATE)

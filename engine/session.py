@@ -29,6 +29,8 @@ def pick_backend(requested: str, device: torch.device, cache: str, kv_dtype: str
     """'auto' takes the Triton kernels where they run (FP8 ring on an FP8-capable GPU), else PyTorch."""
     if requested not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested == "triton" and not kernels.available():
+        raise ValueError("the triton backend needs Triton and a CUDA GPU (or TRITON_INTERPRET=1 to run it on the CPU)")
     if requested != "auto":
         return requested
     fast = (cache == "ring" and kv_dtype == "fp8" and reset_every > 0 and kernels.available()
