@@ -84,8 +84,14 @@ class Block(nn.Module):
         a = attend(self.q_norm(q), self.k_norm(k), self.v_norm(v))  # (..., H, N, D)
         a = self.attn_out(a.transpose(-2, -3).flatten(-2))
         gate, up = self.mlp_in(h).chunk(2, dim=-1)
-        m = self.mlp_out(F.silu(gate) * up)
-        return x + self.reduce(gate_attn * a + gate_mlp * m)  # the block's one all-reduce
+        return x + self.combine(a, F.silu(gate) * up, gate_attn, gate_mlp)
+
+    def combine(self, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
+        """gate_attn * a + gate_mlp * mlp_out(s), summed over tensor-parallel ranks: the block's one all-reduce.
+
+        engine/distributed.py may replace it with a version that overlaps the reduction with mlp_out.
+        """
+        return self.reduce(gate_attn * a + gate_mlp * self.mlp_out(s))
 
 
 def timestep_embedding(noise_level: torch.Tensor, dim: int) -> torch.Tensor:

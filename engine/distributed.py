@@ -1,0 +1,299 @@
+"""Multi-GPU runtime: one process per GPU, started by the engine itself.
+
+Diffusion ranks form a tensor-parallel group (engine/parallel.py shards each block;
+a block ends in one all-reduce). Every rank runs the same `EngineSession` on its
+shard with the same seed, so all ranks hold the same latent after each step; rank 0
+hands it to a decoder process (round-robin when several), which decodes step t
+while the ranks denoise step t+1. Frames come back in order.
+
+    engine = DistributedEngine(spec, Placement.plan("0,1,2,3", "3", ...))
+    engine.start(reference_latent)
+    engine.submit_step(features, start_frame)   # non-blocking
+    index, frames = engine.next_frames()        # (4, H, W, 3) uint8, in step order
+    engine.close()
+
+On CPU the group uses gloo (tests run several ranks on one machine); on GPUs, NCCL
+with NVLink multicast off. A rank or decoder that dies ends the engine with a clear
+error, never a hang; a new engine can be started in its place.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.config import ModelSpec
+
+# Multicast can take a shared host's GPUs out of service; keep it off for every child process.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which device does what. Empty `diffusion` means CPU processes (`cpu_ranks` of them)."""
+
+    diffusion: tuple[int, ...] = ()
+    decoders: tuple[int, ...] = ()  # empty: rank 0 decodes on its own device
+    cpu_ranks: int = 1
+
+    @property
+    def tp(self) -> int:
+        return len(self.diffusion) or self.cpu_ranks
+
+    @staticmethod
+    def plan(gpus: str | None, decoder_gpus: str | None, *, visible: int, n_heads: int) -> "Placement":
+        """Placement from `--gpus 0,1,2,3 --decoder-gpu 3` style flags, or a default for the GPUs visible.
+
+        Default: one GPU shares diffusion and decoding; with more, the last GPU decodes and the
+        largest tensor-parallel degree that divides the heads takes the rest (leftovers decode too).
+        """
+        def parse(text: str | None, what: str) -> list[int]:
+            if text is None or text.strip() == "":
+                return []
+            try:
+                ids = [int(t) for t in text.split(",")]
+            except ValueError:
+                raise ValueError(f"{what} must be comma-separated GPU indices, got {text!r}") from None
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"{what} lists a GPU twice: {text!r}")
+            for i in ids:
+                if i < 0 or i >= visible:
+                    raise ValueError(f"GPU {i} in {what} is not visible ({visible} GPU(s) visible)")
+            return ids
+
+        chosen = parse(gpus, "--gpus") if gpus is not None else list(range(visible))
+        decoders = parse(decoder_gpus, "--decoder-gpu")
+        if not chosen:
+            if decoders:
+                raise ValueError("--decoder-gpu needs GPUs for diffusion too")
+            return Placement()
+        if not decoders and len(chosen) >= 2:
+            decoders = [chosen[-1]]
+        diffusion = [g for g in chosen if g not in decoders] or chosen[:1]
+        tp = max(d for d in range(1, len(diffusion) + 1) if n_heads % d == 0)
+        if gpus is not None and decoder_gpus is not None and tp != len(diffusion):
+            raise ValueError(f"{len(diffusion)} diffusion GPUs cannot split {n_heads} heads evenly; use a degree dividing {n_heads}")
+        decoders += [g for g in diffusion[tp:] if g not in decoders]
+        return Placement(tuple(diffusion[:tp]), tuple(decoders))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _all_reduce(y: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(y)
+    return y
+
+
+class OverlappedCombine:
+    """A block's combine with its all-reduce overlapped with the MLP-out GEMM.
+
+    Rows are cut into chunks: each chunk's product is reduced asynchronously while the
+    next chunk is computed. Used at the steady-state shape only, after `warmup` calls;
+    any other shape, and the first calls, take the plain path (one GEMM, one all-reduce).
+    """
+
+    def __init__(self, block, rows: int, chunks: int = 4, warmup: int = 8):
+        self.block, self.rows, self.chunks, self.warmup = block, rows, chunks, warmup
+        self.calls = 0
+
+    def __call__(self, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if a.ndim != 2 or a.shape[0] != self.rows or self.calls <= self.warmup:
+            return _all_reduce(gate_attn * a + gate_mlp * self.block.mlp_out(s))
+        y = torch.empty_like(a)
+        bounds = torch.linspace(0, self.rows, self.chunks + 1).round().long().tolist()
+        pending = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            y[lo:hi] = gate_attn * a[lo:hi] + gate_mlp * self.block.mlp_out(s[lo:hi])
+            pending.append(dist.all_reduce(y[lo:hi], async_op=True))
+        for work in pending:
+            work.wait()
+        return y
+
+
+@dataclass
+class _Job:
+    spec: ModelSpec
+    weights: str | None
+    seed: int
+    session: dict = field(default_factory=dict)
+    overlap: bool = False
+
+
+def _device_for(placement: Placement, rank: int) -> torch.device:
+    return torch.device(f"cuda:{placement.diffusion[rank]}") if placement.diffusion else torch.device("cpu")
+
+
+def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, commands, latents: list, outbox) -> None:
+    try:
+        from engine.parallel import shard_model_
+        from engine.session import EngineSession
+        from engine.weights import load_engine
+
+        device = _device_for(placement, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=placement.tp)
+        model, _, _ = load_engine(job.spec, weights=job.weights, device="cpu", seed=job.seed)
+        shard_model_(model, rank, placement.tp, reduce=_all_reduce)
+        if job.overlap:
+            for block in model.blocks:
+                block.combine = OverlappedCombine(block, job.spec.frame_tokens)
+        model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        session = EngineSession(model, seed=job.seed, **job.session)
+        outbox.put(("ready", rank, None))
+        while True:
+            cmd, *args = commands.get()
+            if cmd == "stop":
+                break
+            if cmd == "start":
+                session.start(args[0])
+            elif cmd == "step":
+                features, start_frame, index = args
+                if features is not None:
+                    session.push_audio_features(features, start_frame)
+                latent = session.step()
+                if rank == 0:  # straight to its decoder, which decodes it while the ranks make the next step
+                    latents[index % len(latents)].put((index, latent.float().cpu()))
+            elif cmd == "fail":  # fault injection for tests
+                os._exit(3)
+    except BaseException:
+        outbox.put(("error", f"diffusion rank {rank}", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, outbox) -> None:
+    try:
+        from engine.weights import load_engine
+
+        device = torch.device(f"cuda:{device_index}") if device_index is not None else torch.device("cpu")
+        _, codec, _ = load_engine(job.spec, weights=job.weights, device=device, seed=job.seed)
+        outbox.put(("ready", slot, None))
+        while True:
+            item = latents.get()
+            if item is None:
+                break
+            index, latent = item
+            outbox.put(("frames", index, codec.decode(latent.to(device)).cpu()))
+    except BaseException:
+        outbox.put(("error", f"decoder {slot}", traceback.format_exc()))
+
+
+class DistributedEngine:
+    def __init__(self, spec: ModelSpec, placement: Placement, *, weights: str | None = None, seed: int = 0,
+                 session: dict | None = None, decoders: int | None = None, overlap: bool = False, timeout: float = 300.0):
+        self.spec, self.placement, self.timeout = spec, placement, timeout
+        job = _Job(spec, weights, seed, dict(session or {}), overlap)
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        n_dec = decoders if decoders is not None else max(len(placement.decoders), 1)
+        dec_devices = list(placement.decoders) or ([placement.diffusion[0]] if placement.diffusion else [None])
+        self._outbox = ctx.Queue()  # ready / frames / error, from every process
+        self._commands = [ctx.Queue() for _ in range(placement.tp)]
+        self._latents = [ctx.Queue() for _ in range(n_dec)]
+        self._ranks = [ctx.Process(target=_diffusion_worker, args=(r, placement, port, job, self._commands[r], self._latents, self._outbox),
+                                   daemon=True, name=f"talkloop-diffusion-{r}") for r in range(placement.tp)]
+        self._decoders = [ctx.Process(target=_decoder_worker, args=(i, dec_devices[i % len(dec_devices)], job, self._latents[i], self._outbox),
+                                      daemon=True, name=f"talkloop-decoder-{i}") for i in range(n_dec)]
+        self._procs = self._ranks + self._decoders
+        self.submitted = 0
+        self._ready: dict[int, torch.Tensor] = {}
+        self._next = 0
+        self.closed = False
+        for p in self._procs:
+            p.start()
+        for _ in self._procs:
+            self._get(self.timeout)
+
+    # Supervision ---------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        for p in self._procs:
+            if not p.is_alive() and p.exitcode not in (0, None):
+                self.close()
+                raise RuntimeError(f"{p.name} died (exit code {p.exitcode}); start a new engine to continue")
+
+    def _get(self, timeout: float):
+        waited = 0.0
+        while True:
+            try:
+                item = self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                waited += 0.5
+                self._check_alive()
+                if waited >= timeout:
+                    self.close()
+                    raise RuntimeError(f"no answer from the engine processes in {timeout:.0f} s") from None
+                continue
+            if item[0] == "error":
+                self.close()
+                raise RuntimeError(f"{item[1]} failed:\n{item[2]}")
+            return item
+
+    # Session ---------------------------------------------------------------------------
+    def _send(self, *cmd) -> None:
+        if self.closed:
+            raise RuntimeError("engine is closed; start a new one")
+        self._check_alive()
+        for q in self._commands:
+            q.put(cmd)
+
+    def start(self, reference_latent: torch.Tensor) -> None:
+        self._send("start", reference_latent.detach().float().cpu())
+
+    def submit_step(self, features: torch.Tensor | None = None, start_frame: int | None = None) -> int:
+        """Queue one step on every rank (its latent then goes to a decoder); returns its index."""
+        index = self.submitted
+        self._send("step", None if features is None else features.detach().float().cpu(), start_frame, index)
+        self.submitted += 1
+        return index
+
+    def next_frames(self) -> tuple[int, torch.Tensor]:
+        """The next step's decoded frames (4, H, W, 3) uint8, in step order."""
+        if self._next >= self.submitted:
+            raise ValueError("no step submitted whose frames are still to come")
+        while self._next not in self._ready:
+            kind, index, frames = self._get(self.timeout)
+            if kind == "frames":
+                self._ready[index] = frames
+        index = self._next
+        self._next += 1
+        return index, self._ready.pop(index)
+
+    def inject_failure(self, rank: int) -> None:
+        """Make a diffusion rank exit abruptly (fault-injection tests)."""
+        self._commands[rank].put(("fail",))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for q in self._commands:
+            q.put(("stop",))
+        for q in self._latents:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+    def __enter__(self) -> "DistributedEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

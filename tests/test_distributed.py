@@ -1,0 +1,122 @@
+"""Multi-process runtime on CPU (gloo): tensor parallelism, the overlapped all-reduce, the decoder
+pipeline, placement and failures. Tolerance for TP vs one process: decoded frames within 1/255
+(the all-reduce adds partial sums in another order than one matmul does)."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.decoder import StandInCodec
+from engine.distributed import DistributedEngine, OverlappedCombine, Placement, free_port
+from engine.model import build_model
+from engine.parallel import shard_model_
+from engine.session import EngineSession
+from tests.helpers import TINY, reference_latent
+
+SPEC6 = TINY.with_(name="tiny6", dim=96, n_heads=6, mlp_hidden=192)  # heads split 2 and 3 ways
+STEPS = 7
+
+
+def features(step: int) -> torch.Tensor:
+    return torch.randn(SPEC6.frames_per_latent, SPEC6.n_mels, generator=torch.Generator().manual_seed(step))
+
+
+def single_process_frames() -> torch.Tensor:
+    model = build_model(SPEC6, seed=0)
+    session = EngineSession(model, seed=0)
+    session.start(reference_latent(SPEC6))
+    codec = StandInCodec(SPEC6, seed=0)
+    out = []
+    for t in range(STEPS):
+        session.push_audio_features(features(t), t * 4)
+        out.append(codec.decode(session.step()))
+    return torch.stack(out)
+
+
+def engine_frames(engine: DistributedEngine) -> tuple[list[int], torch.Tensor]:
+    engine.start(reference_latent(SPEC6))
+    for t in range(STEPS):
+        engine.submit_step(features(t), t * 4)
+    got = [engine.next_frames() for _ in range(STEPS)]
+    return [i for i, _ in got], torch.stack([f for _, f in got])
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return single_process_frames()
+
+
+@pytest.mark.parametrize("tp, overlap", [(1, False), (2, False), (3, False), (2, True)])
+def test_tensor_parallel_frames_equal_one_process(expected, tp, overlap):
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=tp), overlap=overlap, timeout=120) as engine:
+        order, frames = engine_frames(engine)
+    assert order == list(range(STEPS))
+    assert (frames.int() - expected.int()).abs().max().item() <= 1
+
+
+def test_several_decoders_deliver_every_step_in_order(expected):
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=1), decoders=3, timeout=120) as engine:
+        order, frames = engine_frames(engine)
+    assert order == list(range(STEPS))
+    assert (frames.int() - expected.int()).abs().max().item() <= 1
+
+
+def test_a_dead_rank_gives_a_clear_error_and_a_new_engine_starts():
+    engine = DistributedEngine(SPEC6, Placement(cpu_ranks=2), timeout=60)
+    engine.start(reference_latent(SPEC6))
+    engine.inject_failure(1)
+    with pytest.raises(RuntimeError, match="died|failed|no answer"):
+        for t in range(3):
+            engine.submit_step(features(t), t * 4)
+            engine.next_frames()
+    assert engine.closed
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=1), timeout=120) as fresh:
+        fresh.start(reference_latent(SPEC6))
+        fresh.submit_step(features(0), 0)
+        assert fresh.next_frames()[0] == 0
+
+
+@torch.no_grad()
+def _combine_worker(rank: int, port: int, path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = shard_model_(build_model(SPEC6, seed=0), rank, 2)
+    block = model.blocks[0]
+    g = torch.Generator().manual_seed(10 + rank)
+    a = torch.randn(SPEC6.frame_tokens, SPEC6.dim, generator=g)
+    s = torch.randn(SPEC6.frame_tokens, SPEC6.mlp_hidden // 2, generator=g)
+    ga, gm = torch.randn(SPEC6.dim, generator=g), torch.randn(SPEC6.dim, generator=g)
+    plain = ga * a + gm * block.mlp_out(s)
+    dist.all_reduce(plain)
+    fused = OverlappedCombine(block, SPEC6.frame_tokens, chunks=3, warmup=0)(a, s, ga, gm)
+    if rank == 0:
+        torch.save({"plain": plain, "fused": fused, "calls": 1}, path)
+    dist.destroy_process_group()
+
+
+def test_overlapped_all_reduce_gives_the_plain_sums():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.pt")
+        mp.spawn(_combine_worker, args=(free_port(), path), nprocs=2)
+        out = torch.load(path)
+    assert torch.allclose(out["fused"], out["plain"], atol=1e-5)
+
+
+def test_placement_defaults_and_errors():
+    assert Placement.plan(None, None, visible=0, n_heads=60) == Placement()
+    assert Placement.plan(None, None, visible=1, n_heads=60) == Placement((0,), ())
+    assert Placement.plan(None, None, visible=4, n_heads=60) == Placement((0, 1, 2), (3,))
+    assert Placement.plan("0,1,2,3", "3", visible=8, n_heads=60) == Placement((0, 1, 2), (3,))
+    assert Placement.plan(None, None, visible=8, n_heads=6) == Placement((0, 1, 2, 3, 4, 5), (7, 6))
+    assert Placement.plan("0,1,2,3,4,5,6,7", "6,7", visible=8, n_heads=60) == Placement((0, 1, 2, 3, 4, 5), (6, 7))
+    with pytest.raises(ValueError, match="not visible"):
+        Placement.plan("0,1,5", None, visible=4, n_heads=60)
+    with pytest.raises(ValueError, match="twice"):
+        Placement.plan("0,0", None, visible=4, n_heads=60)
+    with pytest.raises(ValueError, match="cannot split"):
+        Placement.plan("0,1,2,3,4,5,6", "6", visible=8, n_heads=8)
+    with pytest.raises(ValueError, match="comma-separated"):
+        Placement.plan("zero", None, visible=4, n_heads=60)
