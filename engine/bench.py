@@ -357,16 +357,118 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
             "configs": configs}
 
 
+def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeats: int, chunks: int, path: str) -> None:
+    import torch.distributed as dist
+
+    from engine.distributed import OverlappedCombine
+
+    device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    spec = get_spec("characters-57b")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows, hidden = spec.frame_tokens, spec.mlp_hidden // world
+
+    class _Block(torch.nn.Module):  # just the row-parallel MLP-out of one rank
+        def __init__(self):
+            super().__init__()
+            self.mlp_out = torch.nn.Linear(hidden, spec.dim, bias=False, device=device, dtype=dtype)
+
+    block = _Block()
+    a = torch.randn(rows, spec.dim, device=device, dtype=dtype)
+    s = torch.randn(rows, hidden, device=device, dtype=dtype)
+    ga, gm = torch.randn(spec.dim, device=device, dtype=dtype), torch.randn(spec.dim, device=device, dtype=dtype)
+    fused = OverlappedCombine(block, rows, chunks=chunks, warmup=0)
+
+    def plain() -> None:
+        y = ga * a + gm * block.mlp_out(s)
+        dist.all_reduce(y)
+
+    def gemm_only() -> None:
+        ga * a + gm * block.mlp_out(s)
+
+    y = torch.empty(rows, spec.dim, device=device, dtype=dtype)
+    timings = {}
+    with torch.no_grad():
+        for name, fn in (("unfused_us", plain), ("fused_us", lambda: fused(a, s, ga, gm)), ("gemm_us", gemm_only),
+                         ("allreduce_us", lambda: dist.all_reduce(y))):
+            dist.barrier()
+            timings[name] = 1000 * statistics.median(time_ms(fn, device, repeats, warmup=5))
+    if rank == 0:
+        hidden_share = (timings["gemm_us"] + timings["allreduce_us"] - timings["fused_us"]) / timings["allreduce_us"]
+        result = {"bench": "allreduce", "date": time.strftime("%Y-%m-%d"), "world": world, "device": _device_name(device),
+                  "shape": [rows, spec.dim], "dtype": str(dtype).removeprefix("torch."), "chunks": chunks,
+                  "fused": "row chunks, each all-reduced asynchronously while the next is multiplied",
+                  **timings, "speedup": timings["unfused_us"] / timings["fused_us"], "allreduce_hidden_share": hidden_share,
+                  "torch": torch.__version__}
+        with open(path, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def bench_allreduce(device_type: str, world: int, repeats: int, chunks: int) -> dict:
+    """Fused (overlapped) vs unfused MLP-out GEMM + all-reduce at the production shape (757 x 7680)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from engine.distributed import free_port
+
+    if world < 2:
+        raise ValueError(f"the all-reduce benchmark needs at least 2 processes (GPUs), got {world}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/result.json"
+        mp.spawn(_allreduce_worker, args=(world, free_port(), device_type, repeats, chunks, path), nprocs=world)
+        with open(path) as f:
+            return json.load(f)
+
+
+def bench_pipeline(spec_name: str, placement, steps: int, in_flight: int = 2) -> dict:
+    """Step period with the decoder in its own process (and on its own GPU when placed so) vs diffusion time."""
+    from engine.distributed import DistributedEngine
+
+    spec = get_spec(spec_name)
+    feats = torch.zeros(spec.frames_per_latent, spec.n_mels)
+    ref = torch.randn(spec.latent_channels, *spec.latent_grid)
+    with DistributedEngine(spec, placement, timeout=600) as engine:
+        engine.start(ref)
+        for t in range(in_flight):
+            engine.submit_step(feats, t * spec.frames_per_latent)
+        for t in range(steps):
+            engine.next_frames()
+            engine.submit_step(feats, (t + in_flight) * spec.frames_per_latent)
+        timings = engine.timings[max(3, steps // 5):]  # steady state
+    delivered = [t["delivered"] for t in timings]
+    period = statistics.median(1000 * (b - a) for a, b in zip(delivered, delivered[1:]))
+    diffusion = statistics.median(t["step_ms"] for t in timings)
+    decode = statistics.median(t["decode_ms"] for t in timings)
+    return {"bench": "pipeline", "date": time.strftime("%Y-%m-%d"), "spec": spec.name,
+            "placement": {"diffusion": list(placement.diffusion) or f"cpu x{placement.cpu_ranks}",
+                          "decoders": list(placement.decoders) or "shares rank 0's device"},
+            "steps_timed": len(timings), "period_ms": period, "diffusion_ms": diffusion, "decode_ms": decode,
+            "period_minus_diffusion_ms": period - diffusion, "real_time_period_ms": 1000 * spec.step_seconds,
+            "fps": 1000 * spec.frames_per_latent / period, "torch": torch.__version__}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench", description="talkloop engine benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
     c = sub.add_parser("cache", help="per-step KV cache upkeep: naive vs ring")
     st = sub.add_parser("step", help="one rank's step of the 57b shape: serving path vs baseline, with a breakdown")
     at = sub.add_parser("attention", help="one attention call at the production shape: FP8 kernel vs SDPA bf16")
+    ar = sub.add_parser("allreduce", help="MLP-out GEMM + all-reduce at 757 x 7680: overlapped vs plain")
+    ar.add_argument("--world", type=int, default=torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    ar.add_argument("--chunks", type=int, default=4)
+    pl = sub.add_parser("pipeline", help="step period with the decoder in its own process vs diffusion time")
+    pl.add_argument("--gpus", default=None, help="e.g. 0,1,2,3 (default: all visible)")
+    pl.add_argument("--decoder-gpu", default=None, help="e.g. 3")
+    pl.add_argument("--steps", type=int, default=40)
     st.add_argument("--steps", type=int, default=20)
     st.add_argument("--warmup", type=int, default=3)
     st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages")
-    for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b")):
+    for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")
         q.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -382,6 +484,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.bench == "cache":
             result = bench_cache(spec, device, dtype, args.repeats)
             result["tp_shard"] = args.tp_shard
+        elif args.bench == "allreduce":
+            result = bench_allreduce(device.type, args.world, args.repeats, args.chunks)
+        elif args.bench == "pipeline":
+            from engine.distributed import Placement
+
+            visible = torch.cuda.device_count() if device.type == "cuda" else 0
+            placement = Placement.plan(args.gpus, args.decoder_gpu, visible=visible, n_heads=get_spec(args.spec).n_heads)
+            result = bench_pipeline(args.spec, placement, args.steps)
         elif device.type != "cuda":
             raise ValueError(f"the {args.bench} benchmark needs a CUDA GPU")
         elif args.bench == "step":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -165,9 +166,10 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                 features, start_frame, index = args
                 if features is not None:
                     session.push_audio_features(features, start_frame)
-                latent = session.step()
+                t0 = time.perf_counter()
+                latent = session.step().float().cpu()  # the copy waits for the device
                 if rank == 0:  # straight to its decoder, which decodes it while the ranks make the next step
-                    latents[index % len(latents)].put((index, latent.float().cpu()))
+                    latents[index % len(latents)].put((index, latent, 1000 * (time.perf_counter() - t0)))
             elif cmd == "fail":  # fault injection for tests
                 os._exit(3)
     except BaseException:
@@ -188,8 +190,10 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
             item = latents.get()
             if item is None:
                 break
-            index, latent = item
-            outbox.put(("frames", index, codec.decode(latent.to(device)).cpu()))
+            index, latent, step_ms = item
+            t0 = time.perf_counter()
+            frames = codec.decode(latent.to(device)).cpu()
+            outbox.put(("frames", index, {"frames": frames, "step_ms": step_ms, "decode_ms": 1000 * (time.perf_counter() - t0)}))
     except BaseException:
         outbox.put(("error", f"decoder {slot}", traceback.format_exc()))
 
@@ -212,7 +216,8 @@ class DistributedEngine:
                                       daemon=True, name=f"talkloop-decoder-{i}") for i in range(n_dec)]
         self._procs = self._ranks + self._decoders
         self.submitted = 0
-        self._ready: dict[int, torch.Tensor] = {}
+        self._ready: dict[int, dict] = {}
+        self.timings: list[dict] = []  # per step: step_ms (diffusion, rank 0), decode_ms, delivered (monotonic s)
         self._next = 0
         self.closed = False
         for p in self._procs:
@@ -267,12 +272,14 @@ class DistributedEngine:
         if self._next >= self.submitted:
             raise ValueError("no step submitted whose frames are still to come")
         while self._next not in self._ready:
-            kind, index, frames = self._get(self.timeout)
+            kind, index, payload = self._get(self.timeout)
             if kind == "frames":
-                self._ready[index] = frames
+                self._ready[index] = payload
         index = self._next
         self._next += 1
-        return index, self._ready.pop(index)
+        payload = self._ready.pop(index)
+        self.timings.append({"step_ms": payload["step_ms"], "decode_ms": payload["decode_ms"], "delivered": time.monotonic()})
+        return index, payload["frames"]
 
     def inject_failure(self, rank: int) -> None:
         """Make a diffusion rank exit abruptly (fault-injection tests)."""

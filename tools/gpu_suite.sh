@@ -25,4 +25,10 @@ for part in $parts; do
   if [[ $part == cache || $part == all ]]; then
     run python3 -m engine.bench cache --device cuda --spec characters-57b --tp-shard 3 --json > "$OUT/cache_tp3.json" && cat "$OUT/cache_tp3.json"
   fi
+  if [[ $part == pipeline || $part == all ]]; then
+    run python3 -m engine.bench pipeline --spec demo --json > "$OUT/pipeline_demo.json" && cat "$OUT/pipeline_demo.json"
+  fi
+  if [[ $part == allreduce ]]; then  # needs 2+ GPUs
+    run python3 -m engine.bench allreduce --json > "$OUT/allreduce_57b.json" && cat "$OUT/allreduce_57b.json"
+  fi
 done
