@@ -66,7 +66,8 @@ def _random_frame(spec: ModelSpec, n: int, dtype: torch.dtype, device: torch.dev
 def bench_cache(spec: ModelSpec, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
     """Per-step cache upkeep: the naive way (concatenate, rotate and quantise the whole window
     at every attention call) vs the ring (rotate + quantise the new frame once at write time,
-    re-derive the sink once a step, one delta rotation every `reset_every` steps)."""
+    re-derive the sink once a step, one delta rotation every `reset_every` steps), the ring in
+    PyTorch and, on a GPU, in its Triton kernels."""
     g = torch.Generator(device=device).manual_seed(0)
     L, F = spec.n_blocks, spec.frame_tokens
     gains = [torch.ones(spec.n_heads, spec.head_dim, device=device)] * L
@@ -103,6 +104,15 @@ def bench_cache(spec: ModelSpec, device: torch.device, dtype: torch.dtype, repea
     naive_ms = time_ms(naive_step, device, repeats)
     ring_ms = time_ms(ring_step, device, repeats)
     reset_ms = time_ms(ring.rotate_window, device, repeats)
+    triton = {}
+    from engine import kernels
+
+    if device.type == "cuda" and kernels.available():
+        fast = RingKVCache(spec, gains, gains, q_gains=gains, kv_dtype="fp8", dtype=dtype, device=device, backend="triton")
+        fast.begin_step(0)
+        triton = {"ring_triton_ms": _graph_ms(_triton_upkeep(fast, spec, k_new), device, repeats),
+                  "reset_triton_ms": statistics.median(time_ms(lambda: fast.rotate_window(count=False), device, repeats))}
+        triton["speedup_triton"] = statistics.median(naive_ms) / triton["ring_triton_ms"]
     n_ms, r_ms, z_ms = (statistics.median(x) for x in (naive_ms, ring_ms, reset_ms))
     per_step_reset = z_ms / spec.reset_every
     return {
@@ -119,6 +129,7 @@ def bench_cache(spec: ModelSpec, device: torch.device, dtype: torch.dtype, repea
         "speedup": n_ms / r_ms,
         "reset_ms": z_ms,
         "ring_ms_with_reset_amortised": r_ms + per_step_reset,
+        **triton,
         "torch": torch.__version__,
     }
 
@@ -195,6 +206,24 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
     return run
 
 
+def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor) -> Callable[[], None]:
+    """One step of the triton ring's upkeep: the sink re-derived once, then a frame write per attention call."""
+    from engine.kernels.rope_write import rope_store, write_frame
+
+    L, H, S, D = cache.k.shape
+
+    def upkeep() -> None:
+        rope_store(cache.sink_k.view(L * H, -1, D), cache._ref_cos, cache._ref_sin, cache.pos_idx,
+                   cache.k.view(L * H, S, D), cache.k_scale.view(-1))
+        for _ in range(spec.passes):
+            for layer in range(L):
+                write_frame(q, q, q, cache._frame_cos, cache._frame_sin, cache.pos_idx, cache.slot, cache.q8,
+                            cache.k[layer], cache.vt[layer], cache.valid, cache.q_scale[layer],
+                            cache.k_scale[layer], cache.v_scale[layer])
+
+    return upkeep
+
+
 def _session_steps(session, steps: int, device: torch.device) -> list[float]:
     out = []
     for _ in range(steps):
@@ -258,18 +287,10 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         H, D, F = rank_spec.n_heads, full.head_dim, full.frame_tokens
         q = torch.randn(H, F, D, device=device, dtype=dtype)
         if fast:
-            from engine.kernels.rope_write import delta_rotate, rope_store, write_frame
+            from engine.kernels.rope_write import delta_rotate
 
             L, Hh, S, _ = cache.k.shape
-
-            def upkeep() -> None:
-                rope_store(cache.sink_k.view(L * Hh, -1, D), cache._ref_cos, cache._ref_sin, cache.pos_idx,
-                           cache.k.view(L * Hh, S, D), cache.k_scale.view(-1))
-                for _ in range(full.passes):
-                    for layer in range(L):
-                        write_frame(q, q, q, cache._frame_cos, cache._frame_sin, cache.pos_idx, cache.slot, cache.q8,
-                                    cache.k[layer], cache.vt[layer], cache.valid, cache.q_scale[layer],
-                                    cache.k_scale[layer], cache.v_scale[layer])
+            upkeep = _triton_upkeep(cache, full, q)
 
             def attend() -> None:
                 for _ in range(full.passes):
