@@ -30,11 +30,12 @@ def main() -> None:
     if step:
         s, b = step["serving"], step["baseline"]
         out += ["## One rank's step of the 57b shape at tensor-parallel degree 3", "",
-                f"Hardware: {gpu}. Communication left out (one rank's compute only); random weights; "
+                f"Run {step.get('date', '?')}. Hardware: {gpu}. Communication left out (one rank's compute only); random weights; "
                 f"median of {step['steps_timed']} steady-state steps after warm-up. Serving path: ring FP8 KV cache with "
                 "write-time RoPE/FP8 kernels, Triton FP8 attention, FP8 GEMMs (per-token x per-channel scales) with fused "
                 "block kernels, the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
-                "window at every call), SDPA in bf16, bf16 GEMMs, eager.", "",
+                "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
+                "kernel launches, so its total varies between machines and runs more than its parts do.", "",
                 "Command: `python -m engine.bench step --spec characters-57b --tp-shard 3 --json` "
                 "(result: `docs/results/step_57b_tp3_h200.json`)", "",
                 "| ms per step | serving | baseline | baseline / serving |", "|---|---|---|---|"]
@@ -57,6 +58,27 @@ def main() -> None:
                 f"| Triton FP8 (best: {', '.join(f'{k}={v}' for k, v in best.items() if k not in ('us', 'rel_err'))}) "
                 f"| {best['us']:.1f} | {att['fp8_tflops']:.0f} |", "",
                 f"FP8 kernel relative L2 error against exact attention over the same FP8 cache: {best['rel_err']:.3f}.", ""]
+    pipe = load("pipeline_demo_h200.json")
+    if pipe:
+        out += ["## Step period with the decoder in its own process", "",
+                f"Spec `{pipe['spec']}` (random weights, stand-in decoder), placement {pipe['placement']}. Hardware: {gpu}. "
+                f"Median over {pipe['steps_timed']} steady-state steps, two steps in flight.", "",
+                "Command: `python -m engine.bench pipeline --spec demo --json` (result: `docs/results/pipeline_demo_h200.json`)", "",
+                "| period ms | diffusion ms | decode ms | period - diffusion ms | frames per second | real-time period ms |",
+                "|---|---|---|---|---|---|",
+                f"| {ms(pipe['period_ms'])} | {ms(pipe['diffusion_ms'])} | {ms(pipe['decode_ms'])} | "
+                f"{pipe['period_minus_diffusion_ms']:.2f} | {pipe['fps']:.0f} | {ms(pipe['real_time_period_ms'])} |", ""]
+    cache_gpu = load("cache_57b_tp3_h200.json")
+    if cache_gpu:
+        sh = cache_gpu["shape"]
+        out += ["## Cache upkeep per step, GPU", "",
+                f"57b shape, one rank at tensor-parallel degree 3: {sh['layers']} layers x {sh['heads']} heads x {sh['head_dim']}, "
+                f"{sh['cache_slots']} slots, {sh['new_tokens']} new tokens, {sh['attention_calls_per_step']} attention calls a step. {gpu}.", "",
+                "Command: `python -m engine.bench cache --device cuda --spec characters-57b --tp-shard 3 --json` "
+                "(result: `docs/results/cache_57b_tp3_h200.json`)", "",
+                "| naive ms | ring (PyTorch) ms | ring (Triton) ms | naive / Triton | reset rotation (Triton) ms |", "|---|---|---|---|---|",
+                f"| {ms(cache_gpu['naive_ms'])} | {ms(cache_gpu['ring_ms'])} | {cache_gpu.get('ring_triton_ms', float('nan')):.2f} | "
+                f"{cache_gpu.get('speedup_triton', float('nan')):.0f}x | {cache_gpu.get('reset_triton_ms', float('nan')):.2f} |", ""]
     cache = load("cache_demo_cpu.json")
     if cache:
         sh = cache["shape"]
