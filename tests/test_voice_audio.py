@@ -1,0 +1,149 @@
+import struct
+import time
+import wave
+
+import numpy as np
+import pytest
+
+from voice.audio import StreamResampler, load_wav_16k, read_wav, resample, to_mono_float32, write_wav
+
+
+def tone(freq: float, seconds: float, rate: int, amplitude: float = 0.5) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (amplitude * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def peak_frequency(samples: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(samples * np.hanning(samples.size)))
+    return float(np.fft.rfftfreq(samples.size, 1 / rate)[np.argmax(spectrum)])
+
+
+def test_stereo_int16_44k_becomes_mono_float32_16k_with_pitch_kept():
+    left = tone(440, 1.0, 44100)
+    stereo = (np.stack([left, left], axis=1) * 32767).astype(np.int16)
+    out = to_mono_float32(stereo, 44100)
+    assert out.dtype == np.float32 and out.ndim == 1
+    assert abs(out.size - 16000) <= 16
+    assert abs(peak_frequency(out, 16000) - 440) < 3
+    assert abs(float(np.max(np.abs(out))) - 0.5) < 0.02
+
+
+def test_planar_and_interleaved_stereo_agree():
+    left, right = tone(300, 0.5, 16000), tone(500, 0.5, 16000)
+    interleaved = to_mono_float32(np.stack([left, right], axis=1), 16000)
+    planar = to_mono_float32(np.stack([left, right], axis=0), 16000)
+    np.testing.assert_allclose(interleaved, planar, atol=1e-6)
+    np.testing.assert_allclose(interleaved, (left + right) / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "samples, expected",
+    [
+        (np.array([0, 16384, -32768], dtype=np.int16), [0.0, 0.5, -1.0]),
+        (np.array([128, 192, 0], dtype=np.uint8), [0.0, 0.5, -1.0]),
+        (np.array([0, 2**30, -(2**31)], dtype=np.int32), [0.0, 0.5, -1.0]),
+    ],
+)
+def test_integer_formats_are_scaled_to_unit_range(samples, expected):
+    np.testing.assert_allclose(to_mono_float32(samples, 16000), expected, atol=1e-4)
+
+
+def test_clipped_input_is_limited_to_full_scale():
+    loud = tone(200, 0.5, 16000, amplitude=3.0)
+    out = to_mono_float32(loud, 16000)
+    assert float(np.max(np.abs(out))) <= 1.0
+    assert np.count_nonzero(np.abs(out) == 1.0) > out.size // 4
+
+
+@pytest.mark.parametrize(
+    "samples, rate, message",
+    [
+        (np.zeros(0, np.float32), 16000, "empty"),
+        (np.array([0.1, np.nan, 0.2], np.float32), 16000, "NaN"),
+        (np.array([0.1, np.inf], np.float64), 16000, "infinite"),
+        (np.zeros((2, 3, 4), np.float32), 16000, "shape"),
+        (np.array(["a", "b"]), 16000, "numeric"),
+        (np.zeros(10, np.float32), 0, "sample_rate"),
+    ],
+)
+def test_bad_audio_is_rejected_with_a_reason(samples, rate, message):
+    with pytest.raises(ValueError, match=message):
+        to_mono_float32(samples, rate)
+
+
+def test_hours_long_array_is_refused_before_any_work():
+    two_hours = np.broadcast_to(np.int16(0), (2 * 3600 * 48000, 2))  # no memory behind it
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="7200.0 s long; the limit is 600 s"):
+        to_mono_float32(two_hours, 48000, max_seconds=600)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_stream_resampler_matches_one_shot_resampling():
+    signal = tone(700, 1.0, 22050)
+    whole = resample(signal, 22050, 48000)
+    stream = StreamResampler(22050, 48000)
+    pieces = [stream.process(signal[i : i + 441]) for i in range(0, signal.size, 441)]
+    pieces.append(stream.process(np.zeros(0, np.float32), last=True))
+    chunked = np.concatenate(pieces)
+    assert abs(chunked.size - whole.size) <= 2
+    n = min(chunked.size, whole.size)
+    np.testing.assert_allclose(chunked[1000 : n - 1000], whole[1000 : n - 1000], atol=2e-3)
+
+
+def test_wav_round_trip_pcm16(tmp_path):
+    signal = tone(440, 0.5, 22050)
+    path = write_wav(tmp_path / "a.wav", signal, 22050)
+    samples, rate = read_wav(path)
+    assert rate == 22050
+    np.testing.assert_allclose(samples, signal, atol=1e-4)
+    assert load_wav_16k(path).size == pytest.approx(8000, abs=8)
+
+
+def _write_raw_wav(path, data: bytes, tag: int, channels: int, rate: int, bits: int, declared_bytes: int | None = None):
+    block = channels * bits // 8
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * block, block, bits)
+    size = len(data) if declared_bytes is None else declared_bytes
+    with open(path, "wb") as f:
+        f.write(b"RIFF" + struct.pack("<I", 36 + size) + b"WAVE")
+        f.write(b"fmt " + struct.pack("<I", len(fmt)) + fmt)
+        f.write(b"data" + struct.pack("<I", size) + data)
+
+
+def test_float32_stereo_wav_is_read(tmp_path):
+    left, right = tone(440, 0.25, 48000), tone(880, 0.25, 48000)
+    frames = np.stack([left, right], axis=1).astype("<f4")
+    _write_raw_wav(tmp_path / "f.wav", frames.tobytes(), tag=3, channels=2, rate=48000, bits=32)
+    samples, rate = read_wav(tmp_path / "f.wav")
+    assert rate == 48000 and samples.shape == frames.shape
+    np.testing.assert_allclose(samples, frames)
+
+
+def test_24_bit_wav_is_read(tmp_path):
+    values = np.array([0, 2**22, -(2**23)], dtype=np.int32)
+    raw = b"".join(int(v & 0xFFFFFF).to_bytes(3, "little") for v in values)
+    _write_raw_wav(tmp_path / "p24.wav", raw, tag=1, channels=1, rate=16000, bits=24)
+    samples, _ = read_wav(tmp_path / "p24.wav")
+    np.testing.assert_allclose(samples, [0.0, 0.5, -1.0], atol=1e-6)
+
+
+def test_wav_claiming_hours_is_refused_from_its_header(tmp_path):
+    path = tmp_path / "long.wav"
+    _write_raw_wav(path, b"\0" * 64, tag=1, channels=1, rate=16000, bits=16, declared_bytes=3 * 3600 * 16000 * 2)
+    with pytest.raises(ValueError, match="10800.0 s long"):
+        read_wav(path)
+
+
+def test_nan_float_wav_and_non_wav_files_are_refused(tmp_path):
+    _write_raw_wav(tmp_path / "nan.wav", np.full(160, np.nan, "<f4").tobytes(), tag=3, channels=1, rate=16000, bits=32)
+    with pytest.raises(ValueError, match="NaN"):
+        load_wav_16k(tmp_path / "nan.wav")
+    (tmp_path / "notes.wav").write_text("not audio")
+    with pytest.raises(ValueError, match="RIFF"):
+        read_wav(tmp_path / "notes.wav")
+    with wave.open(str(tmp_path / "empty.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+    with pytest.raises(ValueError, match="empty"):
+        load_wav_16k(tmp_path / "empty.wav")

@@ -1,0 +1,271 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any hub access would fail loudly
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from voice.agent import PersonaAgent
+from voice.asr import WhisperASR
+from voice.audio import SAMPLE_RATE, resample
+from voice.loop import AudioSink, LoopEvent, VoiceLoop, VoiceLoopConfig, _AudioHistory, feed_audio
+from voice.samples import sample_speech, with_silence
+from voice.trace import read_jsonl
+from voice.tts import PiperTTS
+
+
+class FakeEngineSink:
+    """Stands in for the engine: records every call, checks what it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []  # ("push", t, pcm, rate) or ("clear", t)
+        self._lock = threading.Lock()
+
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
+        assert isinstance(pcm, np.ndarray) and pcm.dtype == np.float32 and pcm.ndim == 1
+        with self._lock:
+            self.calls.append(("push", time.monotonic(), pcm, sample_rate))
+
+    def clear(self) -> None:
+        with self._lock:
+            self.calls.append(("clear", time.monotonic()))
+
+    def pushes(self) -> list[tuple]:
+        with self._lock:
+            return [c for c in self.calls if c[0] == "push"]
+
+    def clears(self) -> list[tuple]:
+        with self._lock:
+            return [c for c in self.calls if c[0] == "clear"]
+
+
+class ScriptedAgent:
+    """Replies from a script, one entry per turn; an Exception entry is raised."""
+
+    def __init__(self, *replies) -> None:
+        self.replies = list(replies)
+        self.heard: list[str] = []
+        self.histories: list[list[tuple[str, str]]] = []
+
+    def stream_reply(self, user_text: str, history=()) -> Iterator[str]:
+        self.heard.append(user_text)
+        self.histories.append(list(history))
+        reply = self.replies.pop(0) if self.replies else "Okay."
+        if isinstance(reply, Exception):
+            raise reply
+        for sentence in reply:
+            yield sentence + " "
+
+
+LONG_REPLY = [f"This is sentence number {n} of a long story about a lighthouse by the sea." for n in range(1, 13)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return WhisperASR(device="cpu"), PiperTTS(use_cuda=False)
+
+
+def make_loop(models, sink, agent=None, events=None, **config) -> VoiceLoop:
+    asr, tts = models
+    on_event = events.append if events is not None else None
+    return VoiceLoop(sink, agent=agent or PersonaAgent(), asr=asr, tts=tts, config=VoiceLoopConfig(**config), on_event=on_event)
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def kinds(events: list[LoopEvent]) -> list[str]:
+    return [e.kind for e in events]
+
+
+def text_of(events: list[LoopEvent], kind: str) -> list[str]:
+    return [e.text for e in events if e.kind == kind]
+
+
+def question(text: str, after_s: float = 1.0) -> np.ndarray:
+    return with_silence(sample_speech(text), before_s=0.4, after_s=after_s)
+
+
+@pytest.mark.parametrize("output_rate", [16000, 48000])
+def test_full_turn_through_a_fake_engine_sink(models, tmp_path, output_rate):
+    sink, events = FakeEngineSink(), []
+    trace_path = tmp_path / "turns.jsonl"
+    with make_loop(models, sink, events=events, output_sample_rate=output_rate, trace_path=str(trace_path)) as loop:
+        # A browser microphone: 48 kHz stereo int16 in 20 ms chunks.
+        mono48 = resample(question("What is your name?"), SAMPLE_RATE, 48000)
+        stereo = (np.stack([mono48, mono48], axis=1) * 32767).astype(np.int16)
+        for offset in range(0, stereo.shape[0], 960):
+            loop.feed(stereo[offset : offset + 960], 48000)
+        assert loop.wait_idle(30)
+        loop.mark("first_speaking_frame")  # what the engine does when the mouth starts moving
+
+    assert "name" in text_of(events, "user_final")[0].lower()
+    assert "Joe" in text_of(events, "agent_done")[0]
+    assert kinds(events).index("speech_start") < kinds(events).index("user_final") < kinds(events).index("agent_text")
+    pushes = sink.pushes()
+    assert pushes and all(rate == output_rate for *_, rate in pushes)
+    seconds = sum(p[2].size for p in pushes) / output_rate
+    assert 3.0 < seconds < 12.0  # "I'm Joe." plus one more sentence
+    assert sink.clears() == []
+
+    [record] = read_jsonl(trace_path)
+    stamps = record["stamps"]
+    order = ["speech_start", "last_voiced_audio", "speech_end", "asr_done", "reply_first_text", "tts_first_audio", "first_speaking_frame"]
+    assert list(stamps)[: len(order)] == order
+    assert all(stamps[a] <= stamps[b] for a, b in zip(order, order[1:]))
+    assert set(record["durations_s"]) >= {"end_of_turn_delay", "stt", "llm_ttft", "tts_ttfb", "e2e_latency", "e2e_latency_to_first_frame"}
+    assert record["status"] == "completed" and record["reply_audio_s"] == pytest.approx(seconds, abs=0.01)
+
+
+def test_partial_transcripts_arrive_while_the_user_talks(models):
+    sink, events = FakeEngineSink(), []
+    with make_loop(models, sink, events=events, partial_interval_s=0.5) as loop:
+        feed_audio(loop, question("Please turn on the lights in the kitchen, and then close the door.", after_s=0.8), real_time=True)
+        assert loop.wait_idle(30)
+    names = kinds(events)
+    assert "user_partial" in names and names.index("user_partial") < names.index("user_final")
+    assert "kitchen" in text_of(events, "user_final")[0].lower()
+    durations = loop.trace.turns[0].durations()
+    assert {"end_of_turn_delay", "stt", "e2e_latency"} <= set(durations)
+
+
+def test_barge_in_stops_playback_and_the_loop_listens(models):
+    sink, events = FakeEngineSink(), []
+    agent = ScriptedAgent(LONG_REPLY, ["Sure, I'm listening."])
+    with make_loop(models, sink, agent=agent, events=events) as loop:
+        feed_audio(loop, question("Tell me a long story."), real_time=False)
+        assert wait_for(lambda: len(sink.pushes()) >= 1)
+        feed_audio(loop, question("Stop, please wait."), real_time=False)
+        assert wait_for(lambda: len(sink.clears()) == 1)
+        assert loop.wait_idle(30)
+        first, second = [t for t in loop.trace.turns if t.info.get("user_text")]
+
+    clear_t = sink.clears()[0][1]
+    story_pushes = [p for p in sink.pushes() if p[1] < clear_t]
+    later_pushes = [p for p in sink.pushes() if p[1] >= clear_t]
+    assert 1 <= len(story_pushes) < len(LONG_REPLY)  # the story was cut short
+    # After clear(), the only audio is the reply to the new question.
+    assert later_pushes and all(p[1] >= second.stamps["tts_first_audio"] for p in later_pushes)
+    assert first.info["status"] == "interrupted" and "barge_in" in first.stamps
+    assert "barge_in" in kinds(events)
+    assert "wait" in agent.heard[1].lower()
+    assert second.info["status"] == "completed"
+    # The agent remembers the story only as far as it was spoken.
+    [(said, spoken)] = agent.histories[1]
+    assert said == first.info["user_text"]
+    assert spoken == " ".join(LONG_REPLY[: len(story_pushes)])  # one push per sentence
+    assert loop.conversation[-1] == (second.info["user_text"], "Sure, I'm listening.")
+
+
+def test_barge_in_can_be_turned_off(models):
+    sink = FakeEngineSink()
+    agent = ScriptedAgent(LONG_REPLY[:3], ["Okay."])
+    with make_loop(models, sink, agent=agent, barge_in=False) as loop:
+        feed_audio(loop, question("Tell me a story."), real_time=False)
+        assert wait_for(lambda: len(sink.pushes()) >= 1)
+        feed_audio(loop, question("Stop, please wait."), real_time=False)
+        assert loop.wait_idle(30)
+    assert sink.clears() == []
+    assert loop.trace.turns[0].info["status"] == "completed"
+
+
+def test_a_user_who_keeps_talking_after_a_pause_stays_in_one_turn(models):
+    sink = FakeEngineSink()
+    agent = ScriptedAgent(["Got it."], ["Got it."])
+    with make_loop(models, sink, agent=agent) as loop:
+        both = np.concatenate([question("Hello there.", after_s=0.6), question("Can you help me find my keys?")])
+        feed_audio(loop, both, real_time=False)  # the pause ends a turn, but no reply audio has left yet
+        assert loop.wait_idle(30)
+    statuses = [t.info.get("status") for t in loop.trace.turns]
+    assert statuses[0] == "continued"
+    answered = [t for t in loop.trace.turns if t.info.get("status") == "completed"]
+    assert len(answered) == 1 and agent.heard == [answered[0].info["user_text"]]
+    assert agent.histories == [[]] and len(loop.conversation) == 1
+    heard = agent.heard[0].lower()
+    assert "hello" in heard and "keys" in heard
+
+
+def test_bad_chunks_are_refused_and_the_loop_goes_on(models):
+    sink, events = FakeEngineSink(), []
+    with make_loop(models, sink, events=events) as loop:
+        for bad, message in (
+            (np.array([0.0, np.nan, 0.1], np.float32), "NaN"),
+            (np.zeros(0, np.float32), "empty"),
+            (np.broadcast_to(np.float32(0), (3 * 3600 * SAMPLE_RATE,)), "limit"),
+            (np.zeros((3, 3, 3), np.float32), "shape"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                loop.feed(bad)
+        feed_audio(loop, np.zeros(2 * SAMPLE_RATE, np.float32), real_time=False)
+        assert loop.trace.turns == [] and sink.pushes() == []
+        feed_audio(loop, question("What time is it?"), real_time=False)
+        assert loop.wait_idle(30)
+    assert "time" in text_of(events, "user_final")[0].lower()
+    assert sink.pushes()
+
+
+def test_clipped_speech_gets_a_bounded_result(models):
+    sink, events = FakeEngineSink(), []
+    with make_loop(models, sink, events=events) as loop:
+        clipped = np.clip(question("What is your name?") * 40.0, -1.0, 1.0)
+        feed_audio(loop, clipped * 1.5, real_time=False)  # beyond full scale: clipped again on input
+        assert loop.wait_idle(30)
+    assert "error" not in kinds(events)
+    assert all(t.info.get("status") in ("completed", "ignored") for t in loop.trace.turns)
+
+
+def test_failing_agent_and_callback_do_not_stop_the_loop(models):
+    sink = FakeEngineSink()
+    seen: list[LoopEvent] = []
+
+    def broken_ui(event: LoopEvent) -> None:
+        seen.append(event)
+        raise RuntimeError("UI bug")
+
+    agent = ScriptedAgent(ConnectionError("chat endpoint unreachable"), ["Fine, thanks."])
+    with VoiceLoop(sink, agent=agent, asr=models[0], tts=models[1], on_event=broken_ui) as loop:
+        feed_audio(loop, question("How are you?"), real_time=False)
+        assert loop.wait_idle(30)
+        feed_audio(loop, question("How are you?"), real_time=False)
+        assert loop.wait_idle(30)
+    first, second = loop.trace.turns
+    assert first.info["status"] == "error" and "unreachable" in first.info["error"]
+    assert second.info["status"] == "completed" and sink.pushes()
+    assert any(e.kind == "error" for e in seen)
+
+
+def test_close_is_clean_and_final(models):
+    sink = FakeEngineSink()
+    loop = make_loop(models, sink)
+    feed_audio(loop, question("What is your name?", after_s=0.5), real_time=False)
+    loop.close()
+    loop.close()
+    assert not any(t.is_alive() for t in loop._threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.feed(np.zeros(512, np.float32))
+
+
+def test_the_sink_protocol_is_what_the_engine_implements():
+    assert isinstance(FakeEngineSink(), AudioSink)
+
+
+def test_audio_history_ring_keeps_absolute_sample_indices():
+    ring = _AudioHistory(10)
+    stream = np.arange(37, dtype=np.float32)
+    for size in (3, 7, 1, 12, 14):  # 12 and 14 overflow the ring in one call
+        start = ring.total
+        ring.append(stream[start : start + size])
+    assert ring.total == 37 and ring.first == 27
+    np.testing.assert_array_equal(ring.slice(0, 37), stream[27:])
+    np.testing.assert_array_equal(ring.slice(30, 33), stream[30:33])
+    assert ring.slice(40, 50).size == 0

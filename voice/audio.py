@@ -1,0 +1,207 @@
+"""Audio conversion, validation, resampling and WAV I/O.
+
+Everything inside voice/ works on 16 kHz mono float32 in [-1, 1]; this module is
+the one place where other rates, channel layouts, integer formats and bad
+samples are turned into that or rejected with a ValueError that says why.
+
+Resampling uses libsoxr (the `soxr` package, "HQ" preset: a linear-phase
+polyphase filter with ~-140 dB stop-band), which is far cleaner than linear
+interpolation and fast enough to run per chunk.
+"""
+
+from __future__ import annotations
+
+import struct
+import wave
+from pathlib import Path
+
+import numpy as np
+import soxr
+
+SAMPLE_RATE = 16000
+# Longest input the one-shot paths accept; a live loop bounds each turn instead.
+MAX_INPUT_SECONDS = 600.0
+
+_WAVE_FORMAT_PCM = 1
+_WAVE_FORMAT_IEEE_FLOAT = 3
+_WAVE_FORMAT_EXTENSIBLE = 0xFFFE
+
+
+def _to_float(samples: np.ndarray) -> np.ndarray:
+    """Integer PCM or float of any width -> float32 in nominal [-1, 1]."""
+    kind = samples.dtype.kind
+    if kind == "f":
+        return samples.astype(np.float32, copy=False)
+    if kind == "i":
+        scale = float(2 ** (8 * samples.dtype.itemsize - 1))
+        return (samples.astype(np.float64) / scale).astype(np.float32)
+    if kind == "u":
+        half = float(2 ** (8 * samples.dtype.itemsize - 1))
+        return ((samples.astype(np.float64) - half) / half).astype(np.float32)
+    if kind == "b":
+        raise ValueError("audio must be numeric samples, got booleans")
+    raise ValueError(f"audio must be numeric samples, got dtype {samples.dtype}")
+
+
+def _is_planar(samples: np.ndarray) -> bool:
+    """(channels, frames) layout: channel counts are small, so a short first axis
+    with a longer second one is planar audio."""
+    return samples.ndim == 2 and samples.shape[0] <= 8 and samples.shape[1] > samples.shape[0]
+
+
+def _to_mono(samples: np.ndarray) -> np.ndarray:
+    """Average the channels of (frames, channels) or (channels, frames) audio."""
+    if samples.ndim == 1:
+        return samples
+    if samples.ndim != 2:
+        raise ValueError(f"audio must be 1-D mono or 2-D (frames, channels), got shape {samples.shape}")
+    return samples.mean(axis=0 if _is_planar(samples) else 1, dtype=np.float32)
+
+
+def validate_samples(samples: np.ndarray, what: str = "audio") -> None:
+    """Reject audio the pipeline cannot make sense of: empty or non-finite."""
+    if samples.size == 0:
+        raise ValueError(f"{what} is empty (no samples)")
+    if not np.all(np.isfinite(samples)):
+        bad = int(np.count_nonzero(~np.isfinite(samples)))
+        raise ValueError(f"{what} contains {bad} NaN or infinite samples")
+
+
+def to_mono_float32(
+    pcm: np.ndarray,
+    sample_rate: int,
+    target_rate: int = SAMPLE_RATE,
+    max_seconds: float | None = None,
+) -> np.ndarray:
+    """Convert any numeric PCM array to mono float32 at target_rate.
+
+    Stereo or planar multi-channel audio is averaged to mono, integer formats are
+    scaled, samples beyond full scale are clipped (clipped input stays usable).
+    Raises ValueError for empty, NaN/inf, non-numeric or too long input.
+    """
+    if not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+        raise ValueError(f"sample_rate must be a positive integer, got {sample_rate!r}")
+    samples = np.asarray(pcm)
+    if samples.dtype == object:
+        raise ValueError("audio must be a numeric array")
+    # Length first, so an hours-long array is refused before any work is done on it.
+    frames = samples.shape[1] if _is_planar(samples) else (samples.shape[0] if samples.ndim else 0)
+    seconds = frames / float(sample_rate)
+    if max_seconds is not None and seconds > max_seconds:
+        raise ValueError(f"audio is {seconds:.1f} s long; the limit is {max_seconds:.0f} s")
+    mono = _to_mono(_to_float(samples))
+    validate_samples(mono)
+    mono = np.clip(mono, -1.0, 1.0)
+    if sample_rate != target_rate:
+        mono = resample(mono, int(sample_rate), target_rate)
+    return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """Resample a whole mono float32 signal (libsoxr HQ)."""
+    if from_rate == to_rate:
+        return samples.astype(np.float32, copy=False)
+    return soxr.resample(samples.astype(np.float32, copy=False), from_rate, to_rate, quality="HQ")
+
+
+class StreamResampler:
+    """Resample a mono stream chunk by chunk without seams at chunk edges.
+
+    Keeps filter state between calls, so output of many small chunks equals the
+    output of one big chunk (minus a few ms of filter delay at the start).
+    """
+
+    def __init__(self, from_rate: int, to_rate: int) -> None:
+        self.from_rate = from_rate
+        self.to_rate = to_rate
+        self._stream = None if from_rate == to_rate else soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality="HQ")
+
+    def process(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
+        samples = samples.astype(np.float32, copy=False)
+        if self._stream is None:
+            return samples
+        return self._stream.resample_chunk(samples, last=last)
+
+
+def _parse_wav_header(path: Path) -> tuple[int, int, int, int, int, int]:
+    """Return (format_tag, channels, sample_rate, bits, data_offset, data_bytes) of a RIFF/WAVE file."""
+    with open(path, "rb") as f:
+        riff = f.read(12)
+        if len(riff) < 12 or riff[:4] != b"RIFF" or riff[8:12] != b"WAVE":
+            raise ValueError(f"{path} is not a RIFF/WAVE file")
+        fmt: tuple[int, int, int, int] | None = None
+        while True:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path} has no data chunk")
+            chunk_id, size = head[:4], struct.unpack("<I", head[4:])[0]
+            if chunk_id == b"fmt ":
+                body = f.read(size + (size & 1))
+                tag, channels, rate, _, _, bits = struct.unpack("<HHIIHH", body[:16])
+                if tag == _WAVE_FORMAT_EXTENSIBLE and len(body) >= 26:
+                    tag = struct.unpack("<H", body[24:26])[0]  # first two bytes of the sub-format GUID
+                fmt = (tag, channels, rate, bits)
+            elif chunk_id == b"data":
+                if fmt is None:
+                    raise ValueError(f"{path} has a data chunk before its fmt chunk")
+                return (*fmt, f.tell(), size)
+            else:
+                f.seek(size + (size & 1), 1)
+
+
+def read_wav(path: str | Path, max_seconds: float | None = MAX_INPUT_SECONDS) -> tuple[np.ndarray, int]:
+    """Read a WAV file as (samples, sample_rate) without converting channels or rate.
+
+    Integer PCM (8/16/24/32-bit) and IEEE float (32/64-bit) are supported; the
+    length is checked from the header before any samples are read, so an
+    hours-long file is rejected at once. Samples come back as float32, shaped
+    (frames,) for mono or (frames, channels).
+    """
+    path = Path(path)
+    tag, channels, rate, bits, offset, data_bytes = _parse_wav_header(path)
+    if channels < 1 or rate < 1 or bits < 8:
+        raise ValueError(f"{path} has an invalid format header ({channels} channels, {rate} Hz, {bits} bits)")
+    frame_bytes = channels * (bits // 8)
+    frames = data_bytes // frame_bytes
+    if max_seconds is not None and frames / rate > max_seconds:
+        raise ValueError(f"{path} is {frames / rate:.1f} s long; the limit is {max_seconds:.0f} s")
+    if tag == _WAVE_FORMAT_PCM and bits in (8, 16, 32):
+        with wave.open(str(path), "rb") as w:
+            raw = w.readframes(frames)
+        dtype = {8: np.uint8, 16: np.int16, 32: np.int32}[bits]
+        samples = _to_float(np.frombuffer(raw, dtype=dtype))
+    else:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            raw = f.read(frames * frame_bytes)
+        if tag == _WAVE_FORMAT_IEEE_FLOAT and bits in (32, 64):
+            samples = np.frombuffer(raw, dtype="<f4" if bits == 32 else "<f8").astype(np.float32)
+        elif tag == _WAVE_FORMAT_PCM and bits == 24:
+            b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+            ints = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8  # sign-extend
+            samples = (ints / float(2**23)).astype(np.float32)
+        else:
+            raise ValueError(f"{path}: unsupported WAV encoding (format tag {tag}, {bits} bits)")
+    samples = samples[: (samples.size // channels) * channels]
+    if channels > 1:
+        samples = samples.reshape(-1, channels)
+    return samples, rate
+
+
+def load_wav_16k(path: str | Path, max_seconds: float | None = MAX_INPUT_SECONDS) -> np.ndarray:
+    """Read any supported WAV and return validated 16 kHz mono float32."""
+    samples, rate = read_wav(path, max_seconds=max_seconds)
+    return to_mono_float32(samples, rate, max_seconds=max_seconds)
+
+
+def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int) -> Path:
+    """Write mono float audio as 16-bit PCM WAV."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pcm16 = (np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(int(sample_rate))
+        w.writeframes(pcm16.tobytes())
+    return path

