@@ -45,6 +45,27 @@ def main() -> None:
         out += [f"| reset step (position reset + step) | {ms(s.get('reset_step_ms', float('nan')))} | n/a (no resets) | |",
                 f"| delta rotation alone | {s['reset_rotation_ms']:.2f} | | |",
                 f"| peak GPU memory, GB | {s['peak_memory_gb']:.1f} | {b['peak_memory_gb']:.1f} | |", ""]
+    others = [(tp, load(f"step_57b_tp{tp}_h200.json")) for tp in (1, 2, 4)]
+    others = [(tp, r) for tp, r in others if r]
+    if others:
+        out += ["Other tensor-parallel degrees (same benchmark, `--tp-shard N`):", "",
+                "| degree | serving step ms | GEMMs | attention | cache upkeep | other | reset step ms | peak GB | baseline step ms |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for tp, r in others:
+            s, b = r["serving"], r["baseline"]
+            out.append(f"| {tp} | {ms(s['step_ms'])} | {ms(s['gemm_ms'])} | {ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | "
+                       f"{ms(s['other_ms'])} | {ms(s.get('reset_step_ms', float('nan')))} | {s['peak_memory_gb']:.1f} | {ms(b['step_ms'])} |")
+        out.append("")
+    gemm = load("gemm_probe_h200.json")
+    if gemm:
+        out += ["GEMMs of one rank (M = 757) through `torch._scaled_mm`: TFLOP/s per shape "
+                "(command: `python tools/gemm_probe.py`, result `docs/results/gemm_probe_h200.json`):", "",
+                "| GEMM | K x N | bf16 | FP8 row-wise scales | FP8 tensor-wise scale |", "|---|---|---|---|---|"]
+        shapes = {"qkv": "7680 x 7680", "attn_out": "2560 x 7680", "mlp_in": "7680 x 16384", "mlp_out": "8192 x 7680"}
+        for name, kn in shapes.items():
+            g = gemm[name]
+            out.append(f"| {name} | {kn} | {g['bf16_tflops']:.0f} | {g['fp8_rowwise_tflops']:.0f} | {g['fp8_tensorwise_tflops']:.0f} |")
+        out.append("")
     att = load("attention_57b_tp3_h200.json")
     if att:
         best = att["fp8_best"]
