@@ -89,9 +89,75 @@ class AudioTimeline:
             self.start_frame = frame
 
 
-class RealtimeCharacter:
-    def __init__(self, session: EngineSession, codec: Codec, *, playout: PlayoutBuffer | None = None):
+class LocalSteps:
+    """Steps made in this process: the session denoises, the codec decodes, one after the other."""
+
+    def __init__(self, session: EngineSession, codec: Codec):
         self.session, self.codec, self.spec = session, codec, session.spec
+        self.device = str(session.device)
+        self._done: deque[np.ndarray] = deque()
+
+    @property
+    def started(self) -> bool:
+        return self.session.started
+
+    @property
+    def next_frame(self) -> int:
+        return self.session.next_frame
+
+    @property
+    def steps_done(self) -> int:
+        return self.session.steps_done
+
+    def submit(self, features: torch.Tensor, window_start: int) -> None:
+        self.session.push_audio_features(features, window_start)
+        self._done.append(self.codec.decode(self.session.step()).cpu().numpy())
+
+    def collect(self) -> np.ndarray:
+        return self._done.popleft()
+
+
+class RemoteSteps:
+    """Steps made by a `DistributedEngine` (tensor-parallel ranks, decoder processes)."""
+
+    def __init__(self, engine):
+        self.engine, self.spec = engine, engine.spec
+        self.device = f"gpus {list(engine.placement.diffusion)}" if engine.placement.diffusion else f"cpu x{engine.placement.tp}"
+        self.started = False
+
+    def start(self, reference_latent: torch.Tensor) -> None:
+        self.engine.start(reference_latent)
+        self.started = True
+
+    @property
+    def next_frame(self) -> int:
+        return self.engine.submitted * self.spec.frames_per_latent
+
+    @property
+    def steps_done(self) -> int:
+        return self.engine.submitted
+
+    def submit(self, features: torch.Tensor, window_start: int) -> None:
+        self.engine.submit_step(features, window_start)
+
+    def collect(self) -> np.ndarray:
+        return self.engine.next_frames()[1].numpy()
+
+
+class RealtimeCharacter:
+    """`lookahead` steps are submitted before their frames are collected: with a remote engine,
+    step t+1 is denoised while step t is decoded. Speech pushed after a step was submitted
+    starts at the next step; barge-in also silences submitted steps not yet played."""
+
+    def __init__(self, session: EngineSession | None = None, codec: Codec | None = None, *,
+                 steps: LocalSteps | RemoteSteps | None = None, playout: PlayoutBuffer | None = None, lookahead: int = 0):
+        if steps is None:
+            if session is None or codec is None:
+                raise ValueError("give a session and a codec, or steps")
+            steps = LocalSteps(session, codec)
+        self.steps, self.spec, self.session = steps, steps.spec, session
+        self.lookahead = lookahead
+        self._pending: deque[tuple[int, list[np.ndarray]]] = deque()  # submitted steps: first frame, audio
         self.playout = playout or PlayoutBuffer(fps=self.spec.fps)
         self.timeline = AudioTimeline(self.spec.fps)
         self.step_seconds: deque[float] = deque(maxlen=1024)
@@ -102,7 +168,7 @@ class RealtimeCharacter:
 
     # Control ---------------------------------------------------------------------
     def start(self) -> None:
-        if not self.session.started:
+        if not self.steps.started:
             raise ValueError("start the engine session with a reference before the character")
         self._running.set()
         self._thread = threading.Thread(target=self._loop, name="talkloop-engine", daemon=True)
@@ -118,27 +184,34 @@ class RealtimeCharacter:
         """Queue speech (any rate, mono or (samples, channels)); it starts at the next frame not yet made."""
         pcm = to_mono_16k(pcm, sample_rate)
         with self._lock:
-            self.timeline.push(pcm, self.session.next_frame)
+            self.timeline.push(pcm, self.steps.next_frame)
 
     def clear(self) -> None:
         """Barge-in: speech not yet made is dropped, frames already waiting go silent."""
         with self._lock:
-            self.timeline.clear_from(self.session.next_frame)
+            self.timeline.clear_from(self.steps.next_frame)
+            self._pending = deque((first, [np.zeros_like(p) for p in pcms]) for first, pcms in self._pending)
         self.playout.map_waiting(lambda f: replace(f, pcm=np.zeros_like(f.pcm), speaking=False))
 
     # Engine loop -------------------------------------------------------------------
     def make_step(self) -> list[AVFrame]:
-        """One engine step: 4 frames with their audio (also usable without the loop thread)."""
-        s, spec = self.session, self.spec
-        first = s.next_frame
+        """Submit one engine step; return the 4 frames (with their audio) of the step now due,
+        or none while the first `lookahead` steps are in flight. Also usable without the loop thread."""
+        spec = self.spec
         with self._lock:
+            first = self.steps.next_frame
             window_start = first - spec.audio_context
-            s.push_audio_features(self.timeline.features(window_start, spec.audio_window, spec.n_mels), window_start)
-            pcms = [self.timeline.frame_pcm(first + i) for i in range(spec.frames_per_latent)]
+            features = self.timeline.features(window_start, spec.audio_window, spec.n_mels)
+            self._pending.append((first, [self.timeline.frame_pcm(first + i) for i in range(spec.frames_per_latent)]))
             self.timeline.drop_before(first + spec.frames_per_latent - spec.audio_context - 1)
         t0 = time.perf_counter()
-        rgb = self.codec.decode(s.step()).cpu().numpy()
+        self.steps.submit(features, window_start)
+        if len(self._pending) <= self.lookahead:
+            return []
+        rgb = self.steps.collect()
         self.step_seconds.append(time.perf_counter() - t0)
+        with self._lock:
+            first, pcms = self._pending.popleft()
         return [
             AVFrame(first + i, rgb[i], pcm, bool(np.sqrt(np.mean(pcm**2)) > _SPEECH_RMS))
             for i, pcm in enumerate(pcms)
@@ -168,11 +241,11 @@ class RealtimeCharacter:
         steps = sorted(self.step_seconds)
         pick = (lambda q: 1000 * steps[min(int(q * len(steps)), len(steps) - 1)]) if steps else (lambda q: 0.0)
         return {
-            "steps": self.session.steps_done,
+            "steps": self.steps.steps_done,
             "step_ms_p50": pick(0.5),
             "step_ms_p95": pick(0.95),
             "fps": self.playout.stats.fps(),
             "underruns": self.playout.stats.underruns,
             "buffer_depth": self.playout.stats.depth,
-            "device": str(self.session.device),
+            "device": self.steps.device,
         }

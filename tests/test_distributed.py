@@ -5,6 +5,7 @@ pipeline, placement and failures. Tolerance for TP vs one process: decoded frame
 import os
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,3 +121,29 @@ def test_placement_defaults_and_errors():
         Placement.plan("0,1,2,3,4,5,6", "6", visible=8, n_heads=8)
     with pytest.raises(ValueError, match="comma-separated"):
         Placement.plan("zero", None, visible=4, n_heads=60)
+
+
+def test_realtime_character_runs_unchanged_on_the_distributed_engine():
+    from engine.audio import SAMPLE_RATE, frame_sample
+    from engine.realtime import RealtimeCharacter, RemoteSteps
+
+    t = torch.arange(int(0.6 * SAMPLE_RATE)) / SAMPLE_RATE
+    speech = (0.2 * torch.sin(2 * torch.pi * 180 * t)).numpy()
+    local = RealtimeCharacter(EngineSession(build_model(SPEC6, seed=0), seed=0), StandInCodec(SPEC6, seed=0))
+    local.steps.session.start(reference_latent(SPEC6))
+    local.push_audio(speech, SAMPLE_RATE)
+    want = [f for _ in range(5) for f in local.make_step()]
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=2), timeout=120) as engine:
+        steps = RemoteSteps(engine)
+        steps.start(reference_latent(SPEC6))
+        remote = RealtimeCharacter(steps=steps, lookahead=1)
+        remote.push_audio(speech, SAMPLE_RATE)
+        got = []
+        while len(got) < len(want):
+            got += remote.make_step()  # the first call returns nothing: one step in flight
+    assert [f.index for f in got] == list(range(20))
+    assert [f.speaking for f in got] == [f.speaking for f in want]
+    played = np.concatenate([f.pcm for f in got])
+    assert played.size == frame_sample(20) and np.array_equal(played[: speech.size], speech)
+    assert any(f.rgb.any() for f in got)
+    assert max(abs(a.rgb.astype(int) - b.rgb.astype(int)).max() for a, b in zip(got, want)) <= 1
