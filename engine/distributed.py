@@ -146,6 +146,8 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
         device = _device_for(placement, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        else:  # CPU ranks share the cores: oversubscribed threads make every all-reduce wait on spinning peers
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (placement.tp + 1)))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=placement.tp)
         model, _, _ = load_engine(job.spec, weights=job.weights, device="cpu", seed=job.seed)
@@ -184,6 +186,8 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
         from engine.weights import load_engine
 
         device = torch.device(f"cuda:{device_index}") if device_index is not None else torch.device("cpu")
+        if device.type == "cpu":
+            torch.set_num_threads(1)
         _, codec, _ = load_engine(job.spec, weights=job.weights, device=device, seed=job.seed)
         outbox.put(("ready", slot, None))
         while True:

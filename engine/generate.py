@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -17,7 +18,7 @@ from engine.audio import SAMPLE_RATE
 from engine.cache import KV_DTYPES
 from engine.config import SPECS, get_spec
 from engine.media import Mp4Writer, read_audio
-from engine.realtime import RealtimeCharacter
+from engine.realtime import RealtimeCharacter, RemoteSteps
 from engine.session import EngineSession
 from engine.weights import load_engine
 
@@ -55,6 +56,55 @@ def default_reference(spec, codec) -> torch.Tensor:
     return codec.encode_reference((ramp * 255).to(torch.uint8))
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def build_character(args, spec, device: torch.device):
+    """The character the flags ask for: in this process, under torchrun (this process is one
+    tensor-parallel rank), or over processes the engine starts itself (--gpus / --tp).
+    Returns (character, trained, close)."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.gpus is not None or args.tp:
+        from engine.distributed import DistributedEngine, Placement
+
+        if args.gpus is not None:
+            placement = Placement.plan(args.gpus, args.decoder_gpu, visible=torch.cuda.device_count(), n_heads=spec.n_heads)
+        else:
+            placement = Placement(cpu_ranks=args.tp)
+        session_kwargs = dict(cache="reference" if args.attention == "reference" else "ring", kv_dtype=args.kv_dtype,
+                              reset_every=args.reset_every)
+        engine = DistributedEngine(spec, placement, weights=args.weights, seed=args.seed, session=session_kwargs)
+        _, codec, trained = load_engine(spec, weights=args.weights, seed=args.seed)
+        steps = RemoteSteps(engine)
+        steps.start(default_reference(spec, codec))
+        print(f"engine: {placement.tp} diffusion process(es) on {list(placement.diffusion) or 'cpu'}, "
+              f"decoders on {list(placement.decoders) or 'the first diffusion device'}", file=sys.stderr)
+        return RealtimeCharacter(steps=steps, lookahead=1), trained, engine.close
+    if world > 1:  # launched by torchrun: this process is one rank
+        from engine.distributed import _all_reduce
+        from engine.parallel import shard_model_
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device.type == "cuda":
+            device = torch.device(f"cuda:{local}")
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, codec, trained = load_engine(spec, weights=args.weights, device="cpu", seed=args.seed)
+    if world > 1:
+        shard_model_(model, _rank(), world, reduce=_all_reduce)
+    model, codec = model.to(device=device, dtype=dtype), codec.to(device)
+    if not trained and _rank() == 0:
+        print(f"note: no trained weights for spec {spec.name}: random weights, so the picture is noise", file=sys.stderr)
+    session = make_session(model, args)
+    session.start(default_reference(spec, codec))
+    close = dist.destroy_process_group if world > 1 else (lambda: None)
+    return RealtimeCharacter(session, codec), trained, close
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.strip().splitlines()[0])
     p.add_argument("--spec", default="demo", choices=sorted(SPECS))
@@ -71,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reset-every", type=int, default=None, help="steps between position resets (0: never)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=600.0, help="refuse longer audio")
+    p.add_argument("--gpus", default=None, help="several GPUs, e.g. 0,1,2,3: one process each, tensor-parallel diffusion")
+    p.add_argument("--decoder-gpu", default=None, help="GPU(s) that only decode, e.g. 3 (default with --gpus: the last)")
+    p.add_argument("--tp", type=int, default=None, help="without GPUs: tensor-parallel degree in CPU processes")
     args = p.parse_args(argv)
     try:
         spec = get_spec(args.spec)
@@ -78,25 +131,29 @@ def main(argv: list[str] | None = None) -> int:
         pcm = read_audio(args.audio, max_seconds=args.max_seconds)
         if pcm.size == 0:
             raise ValueError(f"{args.audio} holds no audio samples")
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model, codec, trained = load_engine(spec, weights=args.weights, device=device, dtype=dtype, seed=args.seed)
-        if not trained:
-            print(f"note: no trained weights for spec {spec.name}: random weights, so the picture is noise", file=sys.stderr)
-        session = make_session(model, args)
-        session.start(default_reference(spec, codec))
-        character = RealtimeCharacter(session, codec)
+        character, trained, close = build_character(args, spec, device)
         character.push_audio(pcm, SAMPLE_RATE)
         n_frames = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
         steps = math.ceil(n_frames / spec.frames_per_latent)
         t0 = time.perf_counter()
-        with Mp4Writer(args.out, spec.fps, spec.image_size) as writer:
-            for _ in range(steps):
+        writer = Mp4Writer(args.out, spec.fps, spec.image_size) if _rank() == 0 else None
+        try:
+            written = 0
+            while written < steps * spec.frames_per_latent:
                 for frame in character.make_step():
-                    writer.write(frame.rgb, frame.pcm)
+                    written += 1
+                    if writer is not None:
+                        writer.write(frame.rgb, frame.pcm)
+        finally:
+            if writer is not None:
+                writer.close()
+            close()
         elapsed = time.perf_counter() - t0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if _rank() != 0:
+        return 0
     print(json.dumps({
         "out": args.out, "spec": spec.name, "trained_weights": trained, "device": str(device),
         "frames": steps * spec.frames_per_latent, "steps": steps,

@@ -77,3 +77,19 @@ def test_generate_bad_input(tmp_path, args, message):
     out = run("engine.generate", *[x for kv in base.items() for x in kv])
     assert out.returncode != 0
     assert message in out.stderr
+
+
+@pytest.mark.parametrize("launcher", ["engine", "torchrun"])
+def test_generate_across_processes(tmp_path, launcher):
+    wav, mp4 = tmp_path / "in.wav", tmp_path / "out.mp4"
+    write_wav(wav, 0.5)
+    args = ["engine.generate", "--spec", "tiny", "--audio", str(wav), "--out", str(mp4), "--device", "cpu"]
+    if launcher == "engine":  # the engine starts its own tensor-parallel processes
+        out = run(*args, "--tp", "2")
+    else:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", *args],
+                             capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["frames"] == 12
+    with av.open(str(mp4)) as c:
+        assert sum(1 for _ in c.decode(video=0)) == 12
