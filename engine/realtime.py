@@ -174,11 +174,20 @@ class RealtimeCharacter:
         self._thread = threading.Thread(target=self._loop, name="talkloop-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, session_log: str | None = None) -> dict:
+        """Stop the loop; the session's figures are appended to `session_log` when given. Returns them."""
         self._running.clear()
         self.playout.close()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        stats = self.stats()
+        p = self.playout.stats
+        stats["seconds"] = (p.last_release - p.first_release) if p.first_release is not None else 0.0
+        if session_log is not None:
+            from engine.sessions import record_session
+
+            record_session(stats, session_log)
+        return stats
 
     def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
         """Queue speech (any rate, mono or (samples, channels)); it starts at the next frame not yet made."""

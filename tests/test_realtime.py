@@ -91,3 +91,26 @@ def test_a_dying_engine_is_reported_not_hidden(model):
 def test_character_needs_a_started_session(model):
     with pytest.raises(ValueError, match="reference"):
         RealtimeCharacter(EngineSession(model), StandInCodec(TINY)).start()
+
+
+def test_session_log_reports_the_share_of_slow_sessions(tmp_path, model):
+    from engine.sessions import record_session, summarize
+
+    log = tmp_path / "sessions.jsonl"
+    character = make_character(model)
+    character.start()
+    for i, _ in enumerate(character.frames(timeout=10)):
+        if i == 30:
+            break
+    stats = character.stop(session_log=str(log))
+    assert stats["seconds"] > 1.0 and stats["fps"] > 0
+    record_session({"seconds": 30.0, "fps": 23.1}, log)
+    record_session({"seconds": 0.4, "fps": 5.0}, log)  # under a second: not counted
+    with open(log, "a") as f:
+        f.write("{broken\n")
+    summary = summarize(log)
+    assert summary["sessions"] == 3 and summary["counted"] == 2 and summary["unreadable_lines"] == 1
+    expected = (stats["fps"] <= 24) + 1
+    assert summary["share_at_or_below_24_fps"] == pytest.approx(expected / 2)
+    with pytest.raises(ValueError, match="not found"):
+        summarize(tmp_path / "missing.jsonl")

@@ -1,0 +1,64 @@
+"""Per-session frame-rate log and the seed's health figure: the share of sessions that
+lasted at least a second and averaged 24 fps or less.
+
+    python -m engine.sessions --log sessions.jsonl --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def default_log() -> Path:
+    return Path(os.environ.get("TALKLOOP_SESSION_LOG", Path.home() / ".cache" / "talkloop" / "sessions.jsonl"))
+
+
+def record_session(stats: dict, path: str | Path | None = None) -> Path:
+    """Append one session's figures (seconds, frames released, fps, underruns...) as a JSON line."""
+    path = Path(path) if path is not None else default_log()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"ended": time.time(), **stats}) + "\n")
+        f.flush()
+    return path
+
+
+def summarize(path: str | Path, fps: float = 24.0, min_seconds: float = 1.0) -> dict:
+    """Share of sessions of at least `min_seconds` averaging <= `fps`; unreadable lines are counted, not fatal."""
+    sessions, bad = [], 0
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"session log not found: {path}")
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            sessions.append((float(row["seconds"]), float(row["fps"])))
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+    counted = [s for s in sessions if s[0] >= min_seconds]
+    slow = [s for s in counted if s[1] <= fps]
+    return {"log": str(path), "sessions": len(sessions), "counted": len(counted), "unreadable_lines": bad,
+            f"share_at_or_below_{fps:g}_fps": (len(slow) / len(counted)) if counted else None,
+            "median_fps": sorted(f for _, f in counted)[len(counted) // 2] if counted else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.sessions", description=__doc__.strip().splitlines()[0])
+    p.add_argument("--log", default=None, help=f"session log (default {default_log()})")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    args = p.parse_args(argv)
+    try:
+        print(json.dumps(summarize(args.log or default_log())))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
