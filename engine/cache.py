@@ -44,6 +44,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Te
     return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask)[0]
 
 
+def check_next_step(current: int, step: int) -> None:
+    if step != current + 1:
+        raise ValueError(f"steps must advance one at a time: expected {current + 1}, got {step}")
+
+
+def reference_self_attention(rope: "TokenRope", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The reference's tokens attend among themselves (all at one temporal position)."""
+    cos, sin = rope.reference(0.0)
+    return attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+
+
 class TokenRope:
     """cos/sin of a frame's tokens and the reference's tokens at any temporal position."""
 
@@ -177,13 +188,11 @@ class RingKVCache:
         self.sink_k[layer] = k.float()
         self.vt[layer, :, :, :n] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
         self.valid[:n] = 1
-        cos, sin = self.rope.reference(0.0)
-        return attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return reference_self_attention(self.rope, q, k, v)
 
     def begin_step(self, step: int) -> None:
         """Advance to `step`: reset positions if due, then re-derive the sink's keys."""
-        if step != self.step + 1:
-            raise ValueError(f"steps must advance one at a time: expected {self.step + 1}, got {step}")
+        check_next_step(self.step, step)
         self.step = step
         if step == 0:
             self.position = self.spec.sink_distance
@@ -288,12 +297,10 @@ class ReferenceKVCache:
 
     def reference_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.sink[layer] = (k, v)
-        cos, sin = self.rope.reference(0.0)
-        return attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return reference_self_attention(self.rope, q, k, v)
 
     def begin_step(self, step: int) -> None:
-        if step != self.step + 1:
-            raise ValueError(f"steps must advance one at a time: expected {self.step + 1}, got {step}")
+        check_next_step(self.step, step)
         self.step = step
 
     def gather(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
