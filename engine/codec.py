@@ -1,0 +1,219 @@
+"""The trained codec: 4 RGB frames <-> one latent frame.
+
+The encoder stacks a latent frame's 4 video frames as 12 input channels and halves
+the resolution until it reaches the latent grid (16x for the demo spec: 4x256x256x3 ->
+16x16x16); the decoder mirrors it and emits the 4 frames at once. Latents leave the
+encoder through a BatchNorm without affine terms, so each channel has zero mean and
+unit variance over the training data: the scale the DiT's noise assumes.
+
+A single picture (the session's reference) is encoded as that picture held for 4
+frames. The decoder is the engine's decoder: `decode(latent) -> (4, H, W, 3) uint8`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelSpec
+from engine.decoder import check_image
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    name: str
+    image_size: tuple[int, int]
+    latent_channels: int
+    latent_grid: tuple[int, int]
+    frames_per_latent: int
+    enc_widths: tuple[int, ...]  # one per resolution level, image resolution first
+    dec_widths: tuple[int, ...]  # latent resolution up to half the image's; the last step is a pixel shuffle
+    latent_blocks: int = 2  # residual blocks at the latent resolution in the decoder
+
+    def __post_init__(self) -> None:
+        n = self.levels
+        if len(self.enc_widths) != n + 1 or len(self.dec_widths) != n:
+            raise ValueError(f"codec {self.name}: {n} down-samplings need {n + 1} encoder and {n} decoder widths")
+
+    @property
+    def levels(self) -> int:
+        return _levels(self.image_size, self.latent_grid)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _levels(image_size: tuple[int, int], latent_grid: tuple[int, int]) -> int:
+    (H, W), (h, w) = image_size, latent_grid
+    if H % h or W % w or H // h != W // w or (H // h) & (H // h - 1):
+        raise ValueError(f"image {image_size} must be the latent grid {latent_grid} times a power of two on both axes")
+    return int(math.log2(H // h))
+
+
+def codec_config(spec: ModelSpec) -> CodecConfig:
+    """The codec shape for a model spec: width doubles as resolution halves, up to a cap."""
+    n = _levels(spec.image_size, spec.latent_grid)
+    small = spec.image_size[0] <= 64
+    base, cap, enc_cap = (16, 64, 64) if small else (32, 192, 128)
+    dec = tuple(min(base * 2 ** (n - i), cap) for i in range(n))
+    enc = tuple(min(max(base * 2 ** i // 2, 16), enc_cap) for i in range(n + 1))
+    return CodecConfig(
+        name=f"{spec.name}-codec", image_size=tuple(spec.image_size), latent_channels=spec.latent_channels,
+        latent_grid=tuple(spec.latent_grid), frames_per_latent=spec.frames_per_latent,
+        enc_widths=enc, dec_widths=dec, latent_blocks=1 if small else 2,
+    )
+
+
+def _groups(c: int) -> int:
+    return math.gcd(c, 8)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(_groups(c), c), nn.Conv2d(c, c, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(_groups(c), c), nn.Conv2d(c, c, 3, padding=1)
+        nn.init.zeros_(self.conv2.weight)  # starts as identity
+        nn.init.zeros_(self.conv2.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        w = cfg.enc_widths
+        self.stem = nn.Conv2d(3 * cfg.frames_per_latent, w[0], 3, padding=1)
+        self.stages = nn.ModuleList(
+            nn.Sequential(ResBlock(w[i]), nn.Conv2d(w[i], w[i + 1], 3, stride=2, padding=1)) for i in range(cfg.levels)
+        )
+        self.out = nn.Sequential(ResBlock(w[-1]), nn.GroupNorm(_groups(w[-1]), w[-1]), nn.SiLU(),
+                                 nn.Conv2d(w[-1], cfg.latent_channels, 1))
+        self.norm = nn.BatchNorm2d(cfg.latent_channels, affine=False, momentum=0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 12, H, W) in [-1, 1] -> (B, C, h, w)
+        x = self.stem(x)
+        for stage in self.stages:
+            x = stage(x)
+        return self.norm(self.out(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        w = cfg.dec_widths
+        self.stem = nn.Conv2d(cfg.latent_channels, w[0], 3, padding=1)
+        self.latent_blocks = nn.Sequential(*(ResBlock(w[0]) for _ in range(cfg.latent_blocks)))
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(w[i], w[i + 1], 3, padding=1), ResBlock(w[i + 1]))
+            for i in range(cfg.levels - 1)
+        )
+        # The last doubling is a pixel shuffle: full-resolution convolutions would cost a third of the decode.
+        k = 3 * cfg.frames_per_latent
+        self.out = nn.Sequential(nn.GroupNorm(_groups(w[-1]), w[-1]), nn.SiLU(), nn.Conv2d(w[-1], 4 * k, 3, padding=1),
+                                 nn.PixelShuffle(2))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:  # (B, C, h, w) -> (B, 12, H, W), about [-1, 1]
+        x = self.latent_blocks(self.stem(z))
+        for stage in self.stages:
+            x = stage(x)
+        return self.out(x)
+
+
+class TrainedCodec(nn.Module):
+    """The engine's codec seam (decode / encode_reference) plus batched training-time methods."""
+
+    def __init__(self, cfg: CodecConfig, spec: ModelSpec | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.spec = spec
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+
+    # Batched, differentiable ---------------------------------------------------------
+    def encode_frames(self, frames: torch.Tensor) -> torch.Tensor:
+        """Float frames (B, 4, 3, H, W) in [0, 1] -> latents (B, C, h, w)."""
+        k, (H, W) = self.cfg.frames_per_latent, self.cfg.image_size
+        if frames.ndim != 5 or tuple(frames.shape[1:]) != (k, 3, H, W):
+            raise ValueError(f"frames must be (B, {k}, 3, {H}, {W}), got {tuple(frames.shape)}")
+        return self.encoder(frames.flatten(1, 2) * 2.0 - 1.0)
+
+    def decode_frames(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, C, h, w) -> float frames (B, 4, 3, H, W), about [0, 1] (not clamped)."""
+        c, (h, w) = self.cfg.latent_channels, self.cfg.latent_grid
+        if latents.ndim != 4 or tuple(latents.shape[1:]) != (c, h, w):
+            raise ValueError(f"latents must be (B, {c}, {h}, {w}), got {tuple(latents.shape)}")
+        out = self.decoder(latents)
+        return (out.unflatten(1, (self.cfg.frames_per_latent, 3)) + 1.0) / 2.0
+
+    # The engine's seam ---------------------------------------------------------------
+    def _param(self) -> torch.Tensor:
+        return next(self.parameters())
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """One latent frame (C, h, w) -> 4 RGB frames (4, H, W, 3) uint8."""
+        c, (h, w) = self.cfg.latent_channels, self.cfg.latent_grid
+        if not isinstance(latent, torch.Tensor) or tuple(latent.shape) != (c, h, w):
+            shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+            raise ValueError(f"latent must have shape {(c, h, w)}, got {shape}")
+        p = self._param()
+        frames = self.decode_frames(latent[None].to(p.device, p.dtype))[0]  # (4, 3, H, W)
+        return (frames.permute(0, 2, 3, 1).float().clamp(0, 1) * 255.0).round().to(torch.uint8)
+
+    @torch.no_grad()
+    def encode_reference(self, image: torch.Tensor) -> torch.Tensor:
+        """A picture (H, W, 3), uint8 or float in [0, 1] -> latent (C, h, w): the picture held for 4 frames."""
+        x = check_image(image, self.spec or self.cfg)  # (3, H, W)
+        if tuple(x.shape[1:]) != tuple(self.cfg.image_size):
+            raise ValueError(f"reference image must be {tuple(self.cfg.image_size)} pixels, got {tuple(x.shape[1:])}")
+        p = self._param()
+        held = x[None, None].expand(1, self.cfg.frames_per_latent, -1, -1, -1).to(p.device, p.dtype)
+        return self.encode_frames(held)[0].float()
+
+
+def build_codec(spec: ModelSpec, *, seed: int = 0, cfg: CodecConfig | None = None) -> TrainedCodec:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        codec = TrainedCodec(cfg or codec_config(spec), spec)
+    return codec.eval()
+
+
+def codec_path(spec: ModelSpec, assets: str | Path) -> Path:
+    return Path(assets) / f"{spec.name}-codec.pt"
+
+
+def save_codec(codec: TrainedCodec, path: str | Path, *, half: bool = True) -> str:
+    """Weights (bf16 unless half=False; BatchNorm statistics stay float32) + config, with a .sha256 beside them."""
+    from engine.weights import save_checkpoint
+
+    state_module = codec
+    if half:
+        import copy
+
+        state_module = copy.deepcopy(codec).cpu()
+        for name, mod in state_module.named_modules():
+            if not isinstance(mod, nn.BatchNorm2d):
+                for p in mod.parameters(recurse=False):
+                    p.data = p.data.to(torch.bfloat16)
+    return save_checkpoint(state_module, codec.cfg, path)
+
+
+def load_codec(spec: ModelSpec, path: str | Path, *, expected_sha256: str | None = None) -> TrainedCodec:
+    """A trained codec for `spec` from a checkpoint, sha256-verified (ValueError on any mismatch)."""
+    from engine.weights import load_checkpoint
+
+    codec = build_codec(spec)
+    load_checkpoint(codec, codec.cfg, path, expected_sha256=expected_sha256)
+    return codec.eval()
+
+
+def parameter_bytes(module: nn.Module, bytes_per_param: int = 2) -> int:
+    return sum(p.numel() for p in module.parameters()) * bytes_per_param

@@ -1,0 +1,402 @@
+"""Lip sync, measured from the pictures: how well the mouth in the frames follows the audio.
+
+    python -m engine.quality lipsync --spec demo --audio speech.wav --json
+    python -m engine.quality lipsync --spec demo --audio speech.wav --minutes 10 --json   # long session
+    python -m engine.quality sheet --spec demo --audio speech.wav --presets ada,kofi --out docs/contact.png
+
+The mouth opening of each frame is read from the pixels: the character's geometry is
+known (engine.character), so a box that holds the mouth at every head position is
+cut out and its darkness relative to the surrounding skin is summed (the mouth's
+inside is the darkest thing on every face; a blurred mouth keeps its summed
+darkness). The audio envelope is each frame's own loudness (RMS, dBFS).
+
+Scores follow SyncNet's LSE-C/LSE-D: the Pearson correlation of mouth and envelope at
+every offset within +-max_offset frames; `confidence` is the best correlation minus
+the median over offsets (LSE-C), `best_offset` where it peaks, and the headline
+`score` is the correlation at offset 0 minus that median: in sync *and* following
+the audio. The ceiling is the renderer's own frames for the same audio; the floor is
+the same frames against audio shuffled in one-second blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine import character as ch
+from engine.audio import SAMPLE_RATE, frame_sample
+
+MAX_OFFSET = 15  # frames either side (SyncNet searches +-15 at 25 fps)
+_ENV_FLOOR_DB = -60.0
+
+
+# Measurements ---------------------------------------------------------------------------
+def mouth_box(look: str | ch.Look, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Pixel box (y0, y1, x0, x1) that holds the mouth at any head sway of the renderer."""
+    lk = ch.get_look(look)
+    h, w = size
+    cy = lk.head_y + lk.mouth_y
+    half_w = lk.mouth_w * 1.3 + 0.03 + 0.05  # widest mouth + lips + sway
+    top, bottom = cy - 0.10 - 0.02, cy + lk.mouth_w * 0.8 + 0.03 + 0.03
+
+    def px_y(v: float) -> int:
+        return int(round((v + 1.0) * h / 2.0))
+
+    def px_x(u: float) -> int:
+        return int(round((u + w / h) * h / 2.0))
+
+    y0, y1 = max(px_y(top), 0), min(px_y(bottom), h)
+    x0, x1 = max(px_x(-half_w), 0), min(px_x(half_w), w)
+    if y1 - y0 < 2 or x1 - x0 < 2:
+        raise ValueError(f"mouth box {(y0, y1, x0, x1)} is empty at image size {size}")
+    return y0, y1, x0, x1
+
+
+def mouth_opening(frames: torch.Tensor | np.ndarray, look: str | ch.Look) -> torch.Tensor:
+    """Frames (T, H, W, 3) uint8 -> mouth opening (T,): summed darkness in the mouth box, as a fraction of it."""
+    x = torch.as_tensor(np.asarray(frames) if not isinstance(frames, torch.Tensor) else frames)
+    if x.ndim != 4 or x.shape[-1] != 3 or x.dtype != torch.uint8:
+        raise ValueError(f"frames must be (T, H, W, 3) uint8, got {tuple(x.shape)} {x.dtype}")
+    y0, y1, x0, x1 = mouth_box(look, tuple(x.shape[1:3]))
+    roi = x[:, y0:y1, x0:x1].float() / 255.0
+    lum = roi @ torch.tensor([0.299, 0.587, 0.114])  # (T, h, w)
+    skin = torch.quantile(lum.flatten(1), 0.75, dim=1).view(-1, 1, 1)  # the box is mostly skin
+    dark = float(torch.tensor(ch.MOUTH_DARK) @ torch.tensor([0.299, 0.587, 0.114]))
+    darkness = ((skin - lum) / (skin - dark).clamp(min=0.05)).clamp(0.0, 1.0)
+    return darkness.mean(dim=(1, 2))
+
+
+def audio_envelope(pcm: np.ndarray | torch.Tensor, n_frames: int, fps: int = 24) -> torch.Tensor:
+    """Loudness (T,) of each video frame's own samples, RMS in dBFS floored at -60."""
+    x = torch.as_tensor(np.asarray(pcm, dtype=np.float32) if not isinstance(pcm, torch.Tensor) else pcm).float()
+    if x.ndim != 1:
+        raise ValueError(f"audio must be mono (samples,), got {tuple(x.shape)}")
+    if not torch.isfinite(x).all():
+        raise ValueError("audio contains NaN or infinite samples")
+    out = torch.full((n_frames,), _ENV_FLOOR_DB)
+    for i in range(n_frames):
+        a, b = frame_sample(i, fps), frame_sample(i + 1, fps)
+        seg = x[a:b]
+        if seg.numel():
+            out[i] = max(20.0 * math.log10(float(seg.pow(2).mean().sqrt()) + 1e-9), _ENV_FLOOR_DB)
+    return out
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double() - a.double().mean(), b.double() - b.double().mean()
+    den = float(a.norm() * b.norm())
+    return float((a * b).sum()) / den if den > 1e-12 else 0.0
+
+
+def offset_correlations(mouth: torch.Tensor, envelope: torch.Tensor, max_offset: int = MAX_OFFSET) -> torch.Tensor:
+    """Correlation (2 max_offset + 1,) of mouth[t] with envelope[t - k] for k = -max_offset .. max_offset."""
+    if mouth.shape != envelope.shape or mouth.ndim != 1:
+        raise ValueError(f"mouth {tuple(mouth.shape)} and envelope {tuple(envelope.shape)} must be equal-length 1-D series")
+    n = mouth.shape[0]
+    if n < 2 * max_offset + 8:
+        raise ValueError(f"{n} frames are too few for offsets of +-{max_offset} (need {2 * max_offset + 8})")
+    out = []
+    for k in range(-max_offset, max_offset + 1):
+        if k >= 0:
+            out.append(_corr(mouth[k:], envelope[: n - k]))
+        else:
+            out.append(_corr(mouth[: n + k], envelope[-k:]))
+    return torch.tensor(out)
+
+
+def sync_scores(mouth: torch.Tensor, envelope: torch.Tensor, max_offset: int = MAX_OFFSET) -> dict:
+    c = offset_correlations(mouth, envelope, max_offset)
+    median = float(c.median())
+    best = int(c.argmax())
+    at0 = float(c[max_offset])
+    return {
+        "score": at0 - median,  # in sync and following the audio
+        "corr_at_0": at0,
+        "confidence": float(c[best]) - median,  # LSE-C
+        "distance": 1.0 - float(c[best]),  # LSE-D in correlation units: lower is better
+        "best_offset": best - max_offset,  # frames the mouth lags the audio
+    }
+
+
+def shuffled_floor(mouth: torch.Tensor, envelope: torch.Tensor, fps: int = 24, repeats: int = 8, seed: int = 0,
+                   max_offset: int = MAX_OFFSET) -> dict:
+    """Scores against the envelope cut into 1 s blocks and shuffled: what chance gives."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = list(torch.split(envelope, fps))
+    runs = []
+    for _ in range(repeats):
+        order = torch.randperm(len(blocks), generator=g)
+        runs.append(sync_scores(mouth, torch.cat([blocks[i] for i in order]), max_offset))
+    return {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+
+
+def picture_stats(frames: torch.Tensor) -> dict:
+    """Mean brightness (0..255) and sharpness (variance of the luminance Laplacian) of frames (T, H, W, 3)."""
+    lum = frames.float() @ torch.tensor([0.299, 0.587, 0.114])  # (T, H, W)
+    lap = lum[:, 1:-1, 1:-1] * 4 - lum[:, :-2, 1:-1] - lum[:, 2:, 1:-1] - lum[:, 1:-1, :-2] - lum[:, 1:-1, 2:]
+    return {"brightness": float(lum.mean()), "sharpness": float(lap.var(dim=(1, 2)).mean())}
+
+
+# Running the engine -------------------------------------------------------------------------
+def engine_frames(spec, pcm: np.ndarray, preset: str, *, weights: str | None = None, device: str = "cpu",
+                  cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0):
+    """Generate frames for `pcm` with the shipped engine; yields (first_frame, rgb (4, H, W, 3) uint8) per step.
+
+    Returns (generator, trained) so callers can stream long sessions without keeping frames.
+    """
+    from engine.realtime import RealtimeCharacter
+    from engine.session import EngineSession
+    from engine.weights import load_engine
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model, codec, trained = load_engine(spec, weights=weights, device=dev, dtype=dtype, seed=seed)
+    session = EngineSession(model, cache=cache, kv_dtype=kv_dtype, seed=seed)
+    session.start(codec.encode_reference(ch.reference_image(preset, spec.image_size)).to(dev, dtype))
+    character = RealtimeCharacter(session, codec)
+    character.push_audio(pcm, SAMPLE_RATE)
+    n_frames = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
+    steps = math.ceil(n_frames / spec.frames_per_latent)
+
+    def run():
+        for _ in range(steps):
+            batch = character.make_step()
+            yield batch[0].index, np.stack([f.rgb for f in batch])
+
+    return run(), trained
+
+
+def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
+                   cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0, max_offset: int = MAX_OFFSET) -> dict:
+    """Generated frames, the renderer's ceiling and the shuffled-audio floor for one clip."""
+    n = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
+    env = audio_envelope(pcm, n, spec.fps)
+    t0 = time.perf_counter()
+    gen, trained = engine_frames(spec, pcm, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype, seed=seed)
+    frames = np.concatenate([rgb for _, rgb in gen])[:n]
+    gen_seconds = time.perf_counter() - t0
+    generated = torch.from_numpy(frames)
+    rendered, _ = ch.render_audio(pcm, preset, seed=seed, size=spec.image_size, n_frames=n)
+    m_gen, m_ren = mouth_opening(generated, preset), mouth_opening(rendered, preset)
+    gen_s, ceil_s = sync_scores(m_gen, env, max_offset), sync_scores(m_ren, env, max_offset)
+    return {
+        "spec": spec.name, "preset": preset, "frames": n, "seconds": n / spec.fps, "trained_weights": trained,
+        "generated": gen_s, "ceiling": ceil_s,
+        "floor": shuffled_floor(m_gen, env, spec.fps, seed=seed, max_offset=max_offset),
+        "ceiling_floor": shuffled_floor(m_ren, env, spec.fps, seed=seed, max_offset=max_offset),
+        "ratio_to_ceiling": gen_s["score"] / ceil_s["score"] if ceil_s["score"] > 1e-6 else None,
+        "generated_picture": picture_stats(generated), "rendered_picture": picture_stats(rendered),
+        "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": device,
+    }
+
+
+def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ada", *, weights: str | None = None,
+                        device: str = "cpu", cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0,
+                        max_offset: int = MAX_OFFSET, progress=None) -> dict:
+    """The clip looped (with 1 s of silence between repeats) for `minutes`; metric and picture per minute.
+
+    Per minute: the lip-sync scores, mean brightness, sharpness and `ref_diff`, the mean absolute
+    difference (0..255) from the reference picture (identity drift shows as a rising value).
+    The renderer's score over the first minute is the ceiling.
+    """
+    if minutes * 60 * spec.fps < 2 * max_offset + 8:
+        raise ValueError(f"--minutes {minutes} is too short for offsets of +-{max_offset} frames")
+    gap = np.zeros(SAMPLE_RATE, np.float32)
+    unit = np.concatenate([pcm.astype(np.float32), gap])
+    total = int(minutes * 60 * SAMPLE_RATE)
+    looped = np.tile(unit, math.ceil(total / unit.size))[:total]
+    n = math.ceil(total * spec.fps / SAMPLE_RATE)
+    env = audio_envelope(looped, n, spec.fps)
+    per_minute = 60 * spec.fps
+    mouth = torch.zeros(n)
+    stats: list[list[dict]] = []
+    reference = ch.reference_image(preset, spec.image_size).float()
+    gen, trained = engine_frames(spec, looped, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype, seed=seed)
+    t0 = time.perf_counter()
+    for first, rgb in gen:
+        rgb_t = torch.from_numpy(rgb)[: max(0, n - first)]
+        if rgb_t.shape[0] == 0:
+            continue
+        mouth[first:first + rgb_t.shape[0]] = mouth_opening(rgb_t, preset)
+        minute = first // per_minute
+        while len(stats) <= minute:
+            stats.append([])
+        stats[minute].append({**picture_stats(rgb_t), "ref_diff": float((rgb_t.float() - reference).abs().mean())})
+        if progress is not None and first % per_minute == 0:
+            progress({"minute": minute, "elapsed": time.perf_counter() - t0})
+    rows = []
+    for m in range(len(stats)):
+        sl = slice(m * per_minute, min((m + 1) * per_minute, n))
+        if sl.stop - sl.start < 2 * max_offset + 8:
+            continue
+        rows.append({"minute": m, **sync_scores(mouth[sl], env[sl], max_offset),
+                     **{k: float(np.mean([s[k] for s in stats[m]])) for k in ("brightness", "sharpness", "ref_diff")}})
+    seconds = time.perf_counter() - t0
+    first_m, last_m = rows[0], rows[-1]
+    n_ceiling = min(n, per_minute)
+    rendered, _ = ch.render_audio(looped, preset, seed=seed, size=spec.image_size, n_frames=n_ceiling)
+    return {
+        "spec": spec.name, "preset": preset, "minutes": minutes, "trained_weights": trained, "per_minute": rows,
+        "first_vs_last": {k: {"first": first_m[k], "last": last_m[k], "change": last_m[k] - first_m[k]}
+                          for k in ("score", "confidence", "brightness", "sharpness", "ref_diff")},
+        "ceiling_first_minute": sync_scores(mouth_opening(rendered, preset), env[:n_ceiling], max_offset),
+        "steps_per_second": math.ceil(n / spec.frames_per_latent) / seconds, "device": device,
+    }
+
+
+def read_audio(path: str, max_seconds: float) -> np.ndarray:
+    """Audio file -> 16 kHz mono float32: through PyAV, or for WAV files the standard library when PyAV is absent."""
+    try:
+        from engine.media import read_audio as read_any
+    except ImportError:
+        read_any = None
+    if read_any is not None:
+        return read_any(path, max_seconds=max_seconds)
+    import wave
+
+    from engine.audio import to_mono_16k
+
+    if not Path(path).is_file():
+        raise ValueError(f"audio file not found: {path}")
+    try:
+        with wave.open(str(path)) as w:
+            rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
+            raw = w.readframes(w.getnframes())
+    except (wave.Error, EOFError) as e:
+        raise ValueError(f"cannot read {path} without PyAV (only 16-bit WAV): {e}") from e
+    if width != 2:
+        raise ValueError(f"cannot read {path} without PyAV: only 16-bit WAV, got {8 * width}-bit")
+    pcm = np.frombuffer(raw, np.int16).reshape(-1, channels).astype(np.float32) / 32768.0
+    if pcm.shape[0] > max_seconds * rate:
+        raise ValueError(f"{path} is longer than {max_seconds:g} s")
+    return to_mono_16k(pcm if channels > 1 else pcm[:, 0], rate)
+
+
+# Contact sheets ------------------------------------------------------------------------------
+def write_png(path: str | Path, rgb: np.ndarray) -> None:
+    """(H, W, 3) uint8 -> PNG file, with nothing but zlib."""
+    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
+    if rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ValueError(f"PNG picture must be (H, W, 3) uint8, got {rgb.shape}")
+    h, w, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    Path(path).write_bytes(png)
+
+
+def contact_sheet(rows: list[np.ndarray], every: int, columns: int) -> np.ndarray:
+    """Rows of frames (T, H, W, 3) -> one picture: every `every`-th frame, `columns` per row."""
+    out = []
+    for frames in rows:
+        picks = frames[::every][:columns]
+        if picks.shape[0] < columns:
+            raise ValueError(f"{frames.shape[0]} frames are too few for {columns} columns every {every}")
+        out.append(np.concatenate(list(picks), axis=1))
+    return np.concatenate(out, axis=0)
+
+
+def sheet(spec, pcm: np.ndarray, presets: list[str], out: str | Path, *, every: int = 6, columns: int = 8,
+          with_renderer: bool = True, **engine_kwargs) -> dict:
+    """Generated frames of each preset (and the renderer's own, for comparison) as a PNG."""
+    n = every * columns
+    need = math.ceil(n / spec.fps * SAMPLE_RATE)
+    pcm = np.concatenate([pcm, np.zeros(max(0, need - pcm.size), np.float32)])[:need]
+    rows, trained = [], False
+    for preset in presets:
+        gen, trained = engine_frames(spec, pcm, preset, **engine_kwargs)
+        rows.append(np.concatenate([rgb for _, rgb in gen])[:n])
+        if with_renderer:
+            rows.append(ch.render_audio(pcm, preset, seed=engine_kwargs.get("seed", 0), size=spec.image_size, n_frames=n)[0].numpy())
+    write_png(out, contact_sheet(rows, every, columns))
+    return {"out": str(out), "presets": presets, "rows": len(rows), "frames_every": every, "trained_weights": trained,
+            "layout": "per preset: generated row, then the renderer's row" if with_renderer else "generated rows"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.cache import KV_DTYPES
+    from engine.config import SPECS, get_spec
+    from engine.session import CACHES
+
+    p = argparse.ArgumentParser(prog="python -m engine.quality", description=__doc__.strip().splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("lipsync", help="score generated frames against the audio, with ceiling and floor")
+    ls.add_argument("--spec", default="demo", choices=sorted(SPECS))
+    ls.add_argument("--audio", required=True, help="any audio file FFmpeg reads")
+    ls.add_argument("--preset", default="ada", help=f"one of {', '.join(ch.PRESETS)}")
+    ls.add_argument("--weights", help="DiT checkpoint (default: the one shipped for the spec)")
+    ls.add_argument("--device", default="cpu")
+    ls.add_argument("--cache", default="ring", choices=CACHES)
+    ls.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
+    ls.add_argument("--seed", type=int, default=0)
+    ls.add_argument("--max-offset", type=int, default=MAX_OFFSET, help="frames searched either side")
+    ls.add_argument("--minutes", type=float, default=None, help="long session: loop the audio this long, report per minute")
+    ls.add_argument("--max-seconds", type=float, default=120.0, help="refuse longer audio")
+    ls.add_argument("--json", action="store_true", help="print one JSON object")
+    sh = sub.add_parser("sheet", help="contact sheet PNG of generated frames (and the renderer's) per preset")
+    sh.add_argument("--spec", default="demo", choices=sorted(SPECS))
+    sh.add_argument("--audio", required=True)
+    sh.add_argument("--presets", default="ada,kofi", help="comma-separated")
+    sh.add_argument("--out", required=True, help="PNG to write")
+    sh.add_argument("--every", type=int, default=6, help="take every n-th frame")
+    sh.add_argument("--columns", type=int, default=8)
+    sh.add_argument("--weights")
+    sh.add_argument("--device", default="cpu")
+    sh.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.cmd == "sheet":
+        try:
+            spec = get_spec(args.spec)
+            presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+            for name in presets:
+                ch.get_look(name)
+            pcm = read_audio(args.audio, max_seconds=600)
+            info = sheet(spec, pcm, presets, args.out, every=args.every, columns=args.columns, weights=args.weights,
+                         device=args.device, seed=args.seed)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(info))
+        return 0
+    try:
+        spec = get_spec(args.spec)
+        ch.get_look(args.preset)
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
+        pcm = read_audio(args.audio, max_seconds=args.max_seconds)
+        min_seconds = (2 * args.max_offset + 8) / spec.fps
+        if pcm.size < min_seconds * SAMPLE_RATE:
+            raise ValueError(f"{args.audio} is {pcm.size / SAMPLE_RATE:.2f} s; the metric needs at least {min_seconds:.1f} s")
+        kwargs = dict(weights=args.weights, device=args.device, cache=args.cache, kv_dtype=args.kv_dtype, seed=args.seed,
+                      max_offset=args.max_offset)
+        if args.minutes:
+            progress = (lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
+            report = long_session_report(spec, pcm, args.minutes, args.preset, progress=progress, **kwargs)
+        else:
+            report = lipsync_report(spec, pcm, args.preset, **kwargs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report["audio"] = args.audio
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

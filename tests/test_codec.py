@@ -1,0 +1,109 @@
+"""The trained codec: seam shapes, a round trip on renderer frames, checksums and the size budget."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import character as ch
+from engine.codec import build_codec, codec_config, load_codec, save_codec
+from engine.config import get_spec
+from engine.model import build_model
+from engine.train import FrameSampler, Tracks, codec_psnr, train_codec
+from engine.weights import ASSETS, load_engine, save_checkpoint
+from tests.helpers import TINY
+
+DEMO = get_spec("demo")
+TINY_PSNR_DB = 18.0  # 300 CPU steps at 32x32 measure about 20-21 dB
+SHIPPED_PSNR_DB = 28.0
+
+
+def synthetic_tracks(n: int = 2000, seed: int = 0) -> Tracks:
+    """Mouth tracks without audio: smooth random openings and roundness."""
+    g = torch.Generator().manual_seed(seed)
+    mouth = torch.nn.functional.avg_pool1d(torch.rand(1, 2, n + 4, generator=g), 5, 1).squeeze(0).T
+    return Tracks(features=torch.zeros(n, TINY.n_mels), mouth=mouth.contiguous())
+
+
+def test_seam_shapes_and_errors():
+    codec = build_codec(TINY)
+    out = codec.decode(torch.randn(TINY.latent_channels, *TINY.latent_grid))
+    assert out.shape == (4, 32, 32, 3) and out.dtype == torch.uint8
+    z = codec.encode_reference(ch.reference_image("ada", TINY.image_size))
+    assert z.shape == (TINY.latent_channels, *TINY.latent_grid) and torch.isfinite(z).all()
+    with pytest.raises(ValueError, match="latent must have shape"):
+        codec.decode(torch.zeros(3, 4, 4))
+    with pytest.raises(ValueError, match="reference image must be"):
+        codec.encode_reference(torch.zeros(16, 16, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="NaN"):
+        codec.encode_reference(torch.full((32, 32, 3), float("nan")))
+
+
+def test_round_trip_on_renderer_frames(tmp_path):
+    torch.set_num_threads(max(torch.get_num_threads(), 2))
+    tracks = synthetic_tracks()
+    codec = train_codec(TINY, tracks, minutes=5.0, device=torch.device("cpu"), out=tmp_path / "tiny-codec.pt",
+                        work=tmp_path, batch=16, max_steps=300, latent_noise=0.0)
+    frames, _, _ = FrameSampler(TINY, synthetic_tracks(seed=1), seed=7, device=torch.device("cpu")).sample(24)
+    psnr = codec_psnr(codec, frames)
+    untrained = codec_psnr(build_codec(TINY, seed=3), frames)
+    assert psnr > TINY_PSNR_DB, psnr
+    assert psnr > untrained + 6.0
+
+
+@pytest.mark.skipif(not (ASSETS / "demo-codec.pt").is_file(), reason="no shipped demo codec")
+def test_shipped_codec_round_trip():
+    codec = load_codec(DEMO, ASSETS / "demo-codec.pt")
+    states = ch.frame_states(ch.mouth_from_audio(torch.randn(16000) * 0.2), seed=2)[:8]
+    frames = torch.stack([ch.render(ch.look_vectors(p), states, DEMO.image_size).unflatten(0, (2, 4)) for p in ch.PRESETS]).flatten(0, 1)
+    assert codec_psnr(codec, frames) > SHIPPED_PSNR_DB
+
+
+def test_checksum_failure_is_a_clear_error(tmp_path):
+    path = tmp_path / "tiny-codec.pt"
+    save_codec(build_codec(TINY, seed=1), path)
+    load_codec(TINY, path)  # intact: loads
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="fails its sha256 check"):
+        load_codec(TINY, path)
+    with pytest.raises(ValueError, match="not found"):
+        load_codec(TINY, tmp_path / "missing.pt")
+
+
+def test_checkpoint_for_another_shape_is_refused(tmp_path):
+    path = tmp_path / "c.pt"
+    save_codec(build_codec(TINY), path)
+    other = TINY.with_(latent_channels=8)
+    with pytest.raises(ValueError, match="latent_channels"):
+        load_codec(other, path)
+
+
+def test_load_engine_picks_up_the_codec_beside_the_weights(tmp_path):
+    save_checkpoint(build_model(TINY, seed=2), TINY, tmp_path / "tiny.pt")
+    codec = build_codec(TINY, seed=4)
+    save_codec(codec, tmp_path / "tiny-codec.pt")
+    model, loaded, trained = load_engine(TINY, weights=tmp_path / "tiny.pt")
+    assert trained and type(loaded).__name__ == "TrainedCodec"
+    z = torch.randn(TINY.latent_channels, *TINY.latent_grid)
+    assert torch.equal(loaded.decode(z), load_codec(TINY, tmp_path / "tiny-codec.pt").decode(z))
+    # Stored in bf16, so the weights are the original's rounded to bf16.
+    w, w0 = loaded.decoder.stem.weight, codec.decoder.stem.weight
+    assert torch.equal(w, w0.to(torch.bfloat16).float()) and (w - w0).abs().max() > 0
+
+
+def test_demo_weights_fit_the_budget():
+    codec_params = sum(p.numel() for p in build_codec(DEMO).parameters())
+    total_mb = 2 * (codec_params + DEMO.param_count()) / 1e6  # both stored in bf16
+    assert total_mb < 40.0, total_mb
+    cfg = codec_config(DEMO)
+    assert cfg.latent_grid == (16, 16) and cfg.image_size == (256, 256)
+
+
+def test_demo_codec_shapes():
+    codec = build_codec(DEMO)
+    z = codec.encode_reference(ch.reference_image("mika", DEMO.image_size))
+    assert z.shape == (16, 16, 16)
+    assert codec.decode(z).shape == (4, 256, 256, 3)
+    assert Path(codec_config(DEMO).name).name == "demo-codec"

@@ -1,0 +1,165 @@
+"""Training: the teacher-forcing attention equals the session's, the corpus is reproducible, the CLI runs."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from engine.cache import ReferenceKVCache, RingKVCache
+from engine.codec import load_codec
+from engine.model import build_model
+from engine.session import EngineSession
+from engine.train import (
+    TeacherForcingAttention,
+    dit_loss,
+    load_corpus,
+    main,
+    make_corpus,
+    save_corpus,
+    teacher_forcing_forward,
+)
+from engine.weights import load_engine
+from tests.helpers import TINY
+
+
+def clip_inputs(B: int, T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    C, (h, w) = TINY.latent_channels, TINY.latent_grid
+    ref = torch.randn(B, C, h, w, generator=g)
+    ctx = torch.randn(B, T, C, h, w, generator=g)
+    tgt = torch.randn(B, T, C, h, w, generator=g)
+    levels = torch.tensor([1.0, 0.75, 0.5, 0.25])
+    tau = levels[torch.randint(0, 4, (B, T), generator=g)]
+    audio = torch.randn(B, T, TINY.audio_window, TINY.n_mels, generator=g)
+    return ref, ctx, tgt, tau, audio
+
+
+@pytest.mark.parametrize("cache", ["reference", "ring"])
+def test_training_attention_matches_the_session(cache):
+    """Each target frame's training prediction equals the pass the session runs on the same inputs.
+
+    The session's frame t sees the sink and the K/V that frames t-W+1 .. t-1 left from their
+    last pass (fed here the context copies at 0.25), whatever the cache: the plain reference
+    cache, or the ring with its position resets (tiny spec: every 5 steps).
+    """
+    model = build_model(TINY, seed=1)
+    B, T = 2, 8  # longer than the window (3) and past a position reset
+    ref, ctx, tgt, tau, audio = clip_inputs(B, T)
+    with torch.no_grad():
+        pred = teacher_forcing_forward(model, ref, ctx, tgt, tau, audio, ctx_tau=0.25)
+        for b in range(B):
+            if cache == "reference":
+                kv = ReferenceKVCache(TINY)
+            else:
+                kv = RingKVCache(TINY, [blk.k_norm.weight for blk in model.blocks],
+                                 [blk.v_norm.weight for blk in model.blocks], kv_dtype="fp32")
+            model.encode_reference(ref[b], kv.reference_attend)
+            for t in range(T):
+                kv.begin_step(t)
+                v = model(tgt[b, t], tau[b, t], audio[b, t], kv.attend)
+                torch.testing.assert_close(pred[b, t], v, atol=1e-4, rtol=0)
+                model(ctx[b, t], torch.tensor(0.25), audio[b, t], kv.attend)  # the last pass: what the cache keeps
+                kv.end_step()
+
+
+def test_training_attention_matches_a_session_step():
+    """Through EngineSession itself: frame 0's first pass (noise level 1) sees only the sink."""
+    model = build_model(TINY, seed=2)
+    ref, _, _, _, audio = clip_inputs(1, 1, seed=3)
+    session = EngineSession(model, cache="reference", seed=4)
+    session.start(ref[0])
+    noise = torch.randn((TINY.latent_channels, *TINY.latent_grid), generator=torch.Generator().manual_seed(4))
+    window = audio[0, 0]
+    session.push_audio_features(window[TINY.audio_context:TINY.audio_context + 4], start_frame=0)
+    window = session._audio_window()  # silence before frame 0, as the session sees it
+    with torch.no_grad():
+        pred = teacher_forcing_forward(model, ref, noise[None, None], noise[None, None], torch.ones(1, 1),
+                                       window[None, None], ctx_tau=0.25)[0, 0]
+        expected = noise + (0.75 - 1.0) * pred  # the first Euler move
+        session.cache.begin_step(0)
+        v = model(noise, session.levels[0], window, session.cache.attend)
+    torch.testing.assert_close(noise + (session.levels[1] - session.levels[0]) * v, expected, atol=1e-4, rtol=0)
+
+
+def test_attention_mask_keeps_targets_off_their_context_copy():
+    att = TeacherForcingAttention(TINY, T=4, device=torch.device("cpu"), dtype=torch.float32)
+    F_, R, W = TINY.frame_tokens, TINY.reference_tokens, TINY.window_frames
+    m = att.mask  # (T, 2F, S)
+    own_ctx = slice(R + (W - 1) * F_, R + W * F_)
+    assert m[:, :F_, own_ctx].all() and not m[:, F_:, own_ctx].any()
+    assert not m[0, :, R:R + (W - 1) * F_].any()  # frame 0 has no history
+    assert m[3, F_:, R:R + (W - 1) * F_].all()  # frame 3 sees frames 1 and 2
+
+
+def test_dit_loss_learns_a_fixed_batch():
+    torch.manual_seed(0)
+    model = build_model(TINY, seed=1).train()
+    ref, x0, _, _, audio = clip_inputs(2, 4, seed=5)
+    att = TeacherForcingAttention(TINY, 4, torch.device("cpu"), torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    losses = []
+    for _ in range(40):
+        torch.manual_seed(1)  # the same noise every step: a fixed regression problem
+        loss = dit_loss(model, x0, ref, audio, [1.0, 0.75, 0.5, 0.25, 0.0], att)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_corpus_is_reproducible(tmp_path):
+    a, meta = make_corpus(6.0, seed=3, sources=("synth",))
+    b, _ = make_corpus(6.0, seed=3, sources=("synth",))
+    c, _ = make_corpus(6.0, seed=4, sources=("synth",))
+    assert a.dtype == np.int16 and a.size == 6 * 16000
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert (a == 0).any() and np.abs(a).max() > 3000  # silences and speech
+    save_corpus(tmp_path / "c.npz", a, meta)
+    pcm, meta2 = load_corpus(tmp_path / "c.npz")
+    assert np.array_equal(pcm, a) and meta2["seed"] == 3
+    (tmp_path / "junk.npz").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a talkloop speech corpus"):
+        load_corpus(tmp_path / "junk.npz")
+    with pytest.raises(ValueError, match="unknown corpus sources"):
+        make_corpus(1.0, 0, ("festival",))
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
+def test_espeak_corpus():
+    pcm, meta = make_corpus(4.0, seed=1, sources=("espeak",))
+    assert meta["utterances"]["espeak"] >= 1 and np.abs(pcm).max() > 3000
+
+
+def test_cli_trains_the_tiny_spec_end_to_end(tmp_path, capsys):
+    corpus = tmp_path / "speech.npz"
+    assert main(["corpus", "--out", str(corpus), "--minutes", "0.25", "--source", "synth"]) == 0
+    args = ["--spec", "tiny", "--corpus", str(corpus), "--device", "cpu", "--assets", str(tmp_path / "assets"),
+            "--work", str(tmp_path / "work"), "--max-steps", "4"]
+    both = ["all", *args, "--codec-batch", "4", "--dit-batch", "2", "--clip", "4", "--variants", "2",
+            "--variant-minutes", "0.1", "--compile", "off", "--save-every", "0"]
+    # An invocation out of time saves its state and says so; the same command with --resume goes on.
+    assert main([*both, "--session-minutes", "1e-6"]) == 0
+    out = capsys.readouterr().out
+    assert '"event": "paused"' in out and '"event": "session_over"' in out
+    assert not (tmp_path / "assets" / "tiny-codec.pt").exists()
+    assert main([*both, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert '"event": "resumed"' in out and '"event": "saved"' in out and '"phase": "dit"' in out
+    assets = tmp_path / "assets"
+    for name in ("tiny.pt", "tiny.pt.sha256", "tiny-codec.pt", "tiny-codec.pt.sha256"):
+        assert (assets / name).is_file(), name
+    assert (tmp_path / "work" / "tiny-dit-latest.pt").is_file()  # intermediate weights
+    model, codec, trained = load_engine(TINY, weights=assets / "tiny.pt")
+    assert trained and type(codec).__name__ == "TrainedCodec"
+    session = EngineSession(model, seed=0)
+    session.start(codec.encode_reference(torch.zeros(32, 32, 3, dtype=torch.uint8)))
+    assert codec.decode(session.step()).shape == (4, 32, 32, 3)
+    # The DiT half alone, resuming from its finished state, reuses the shipped codec and the cached bank.
+    assert main(["dit", *args, "--dit-batch", "2", "--clip", "4", "--variants", "2", "--variant-minutes", "0.1",
+                 "--compile", "off", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert '"event": "resumed"' in out and '"cached": true' in out
+    load_codec(TINY, assets / "tiny-codec.pt")
+    assert main(["codec", "--spec", "tiny", "--corpus", str(tmp_path / "nope.npz")]) == 2
