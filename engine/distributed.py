@@ -24,6 +24,7 @@ import queue
 import socket
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -157,6 +158,7 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                 block.combine = OverlappedCombine(block, job.spec.frame_tokens)
         model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         session = EngineSession(model, seed=job.seed, **job.session)
+        sent: deque[torch.Tensor] = deque(maxlen=16)
         outbox.put(("ready", rank, None))
         while True:
             cmd, *args = commands.get()
@@ -169,7 +171,15 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                 if features is not None:
                     session.push_audio_features(features, start_frame)
                 t0 = time.perf_counter()
-                latent = session.step().float().cpu()  # the copy waits for the device
+                latent = session.step()
+                if device.type == "cuda":
+                    # GPU to GPU: the decoder process maps this buffer through CUDA IPC and copies it to its
+                    # own device. A ring of recent latents keeps each one alive while a decoder may read it.
+                    latent = latent.float()
+                    sent.append(latent)
+                    torch.cuda.current_stream(device).synchronize()
+                else:
+                    latent = latent.float().clone()
                 if rank == 0:  # straight to its decoder, which decodes it while the ranks make the next step
                     latents[index % len(latents)].put((index, latent, 1000 * (time.perf_counter() - t0)))
             elif cmd == "fail":  # fault injection for tests
@@ -197,6 +207,7 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
             index, latent, step_ms = item
             t0 = time.perf_counter()
             frames = codec.decode(latent.to(device)).cpu()
+            del latent  # release the producer's buffer mapping
             outbox.put(("frames", index, {"frames": frames, "step_ms": step_ms, "decode_ms": 1000 * (time.perf_counter() - t0)}))
     except BaseException:
         outbox.put(("error", f"decoder {slot}", traceback.format_exc()))
@@ -293,11 +304,11 @@ class DistributedEngine:
         if self.closed:
             return
         self.closed = True
+        for q in self._latents:  # decoders first: they may still map latents the ranks own
+            q.put(None)
         for q in self._commands:
             q.put(("stop",))
-        for q in self._latents:
-            q.put(None)
-        for p in self._procs:
+        for p in self._decoders + self._ranks:
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()

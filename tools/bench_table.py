@@ -83,7 +83,8 @@ def main() -> None:
     if pipe:
         out += ["## Step period with the decoder in its own process", "",
                 f"Spec `{pipe['spec']}` (random weights, stand-in decoder), placement {pipe['placement']}. Hardware: {gpu}. "
-                f"Median over {pipe['steps_timed']} steady-state steps, two steps in flight.", "",
+                f"Median over {pipe['steps_timed']} steady-state steps, two steps in flight; latents reach the decoder "
+                "process through CUDA IPC.", "",
                 "Command: `python -m engine.bench pipeline --spec demo --json` (result: `docs/results/pipeline_demo_h200.json`)", "",
                 "| period ms | diffusion ms | decode ms | period - diffusion ms | frames per second | real-time period ms |",
                 "|---|---|---|---|---|---|",
