@@ -170,7 +170,8 @@ def engine_frames(spec, pcm: np.ndarray, preset: str, *, weights: str | None = N
     def run():
         for _ in range(steps):
             batch = character.make_step()
-            yield batch[0].index, np.stack([f.rgb for f in batch])
+            if batch:  # empty only while a look-ahead step is in flight
+                yield batch[0].index, np.stack([f.rgb for f in batch])
 
     return run(), trained
 
