@@ -12,6 +12,7 @@ frames. The decoder is the engine's decoder: `decode(latent) -> (4, H, W, 3) uin
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -196,10 +197,8 @@ def save_codec(codec: TrainedCodec, path: str | Path, *, half: bool = True) -> s
 
     state_module = codec
     if half:
-        import copy
-
         state_module = copy.deepcopy(codec).cpu()
-        for name, mod in state_module.named_modules():
+        for mod in state_module.modules():
             if not isinstance(mod, nn.BatchNorm2d):
                 for p in mod.parameters(recurse=False):
                     p.data = p.data.to(torch.bfloat16)
@@ -214,6 +213,3 @@ def load_codec(spec: ModelSpec, path: str | Path, *, expected_sha256: str | None
     load_checkpoint(codec, codec.cfg, path, expected_sha256=expected_sha256)
     return codec.eval()
 
-
-def parameter_bytes(module: nn.Module, bytes_per_param: int = 2) -> int:
-    return sum(p.numel() for p in module.parameters()) * bytes_per_param
