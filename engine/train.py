@@ -258,12 +258,6 @@ def corpus_tracks(pcm16: np.ndarray, spec: ModelSpec, chunk: int = 4096) -> Trac
 
 
 # Small helpers ----------------------------------------------------------------------------------
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
-    return torch.device(name)
 
 
 def autocast(device: torch.device):
@@ -854,6 +848,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         deadline = time.perf_counter() + args.session_minutes * 60 if args.session_minutes else None
         spec = get_spec(args.spec)
+        from engine.generate import pick_device
+
         device = pick_device(args.device)
         pcm16, meta = load_corpus(args.corpus)
         t0 = time.perf_counter()
