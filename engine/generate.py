@@ -20,15 +20,7 @@ from engine.config import SPECS, get_spec
 from engine.media import Mp4Writer, read_audio
 from engine.realtime import RealtimeCharacter, RemoteSteps
 from engine.session import EngineSession
-from engine.weights import load_engine
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
-    return torch.device(name)
+from engine.weights import load_engine, pick_device
 
 
 ATTENTION = ("auto", "triton", "sdpa", "reference")

@@ -51,7 +51,7 @@ from engine.config import SPECS, ModelSpec, get_spec
 from engine.model import CausalVideoDiT, build_model
 from engine.rope import apply_rope, cos_sin, frame_positions, reference_positions, rope_angles
 from engine.session import noise_levels
-from engine.weights import ASSETS, save_checkpoint, sha256_of
+from engine.weights import ASSETS, pick_device, save_checkpoint, sha256_of
 
 # Corpus ----------------------------------------------------------------------------------
 WORDS = """the a an and but or so if when then because while after before this that these those it
@@ -848,8 +848,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         deadline = time.perf_counter() + args.session_minutes * 60 if args.session_minutes else None
         spec = get_spec(args.spec)
-        from engine.generate import pick_device
-
         device = pick_device(args.device)
         pcm16, meta = load_corpus(args.corpus)
         t0 = time.perf_counter()

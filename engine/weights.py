@@ -11,6 +11,15 @@ from torch import nn
 from engine.config import ModelSpec
 
 
+def pick_device(name: str) -> torch.device:
+    """`auto`, `cpu`, `cuda` or `cuda:N` -> a device; a clear error when CUDA is asked for but absent."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
+    return torch.device(name)
+
+
 def sha256_of(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
