@@ -16,6 +16,7 @@ import torch
 
 from engine.audio import SAMPLE_RATE
 from engine.cache import KV_DTYPES
+from engine.character import PRESETS, reference_image
 from engine.config import SPECS, get_spec
 from engine.media import Mp4Writer, read_audio
 from engine.realtime import RealtimeCharacter, RemoteSteps
@@ -41,11 +42,9 @@ def make_session(model, args) -> EngineSession:
     return session
 
 
-def default_reference(spec, codec) -> torch.Tensor:
-    """A neutral reference picture (a soft vertical gradient) encoded by the codec."""
-    h, w = spec.image_size
-    ramp = torch.linspace(0.2, 0.8, h).view(h, 1, 1).expand(h, w, 3)
-    return codec.encode_reference((ramp * 255).to(torch.uint8))
+def preset_reference(spec, codec, preset: str) -> torch.Tensor:
+    """The preset character's reference picture (engine.character), encoded by the codec."""
+    return codec.encode_reference(reference_image(preset, spec.image_size))
 
 
 def _rank() -> int:
@@ -71,7 +70,7 @@ def build_character(args, spec, device: torch.device):
         engine = DistributedEngine(spec, placement, weights=args.weights, seed=args.seed, session=session_kwargs)
         _, codec, trained = load_engine(spec, weights=args.weights, seed=args.seed)
         steps = RemoteSteps(engine)
-        steps.start(default_reference(spec, codec))
+        steps.start(preset_reference(spec, codec, args.preset))
         print(f"engine: {placement.tp} diffusion process(es) on {list(placement.diffusion) or 'cpu'}, "
               f"decoders on {list(placement.decoders) or 'the first diffusion device'}", file=sys.stderr)
         return RealtimeCharacter(steps=steps, lookahead=1), trained, engine.close
@@ -92,7 +91,7 @@ def build_character(args, spec, device: torch.device):
     if not trained and _rank() == 0:
         print(f"note: no trained weights for spec {spec.name}: random weights, so the picture is noise", file=sys.stderr)
     session = make_session(model, args)
-    session.start(default_reference(spec, codec))
+    session.start(preset_reference(spec, codec, args.preset))
     close = dist.destroy_process_group if world > 1 else (lambda: None)
     return RealtimeCharacter(session, codec), trained, close
 
@@ -103,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audio", required=True, help="any audio file FFmpeg reads")
     p.add_argument("--out", required=True, help="MP4 to write")
     p.add_argument("--weights", help="checkpoint (default: the one shipped for the spec)")
+    p.add_argument("--preset", default="ada", choices=sorted(PRESETS), help="the character to animate")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="triton: FP8 ring + Triton kernels; sdpa: FP8 ring read by PyTorch SDPA; "

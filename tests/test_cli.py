@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine.audio import SAMPLE_RATE
+from engine.weights import ASSETS
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -39,10 +40,13 @@ def test_bench_cache_prints_one_json_object():
 def test_generate_writes_a_playable_mp4_with_audio(tmp_path):
     wav, mp4 = tmp_path / "in.wav", tmp_path / "out.mp4"
     write_wav(wav, 1.0, rate=22_050, channels=2)
-    out = run("engine.generate", "--spec", "demo", "--audio", str(wav), "--out", str(mp4), "--device", "cpu")
+    out = run("engine.generate", "--spec", "demo", "--audio", str(wav), "--out", str(mp4), "--device", "cpu",
+              "--preset", "kofi")
     assert out.returncode == 0, out.stderr
-    assert "random weights" in out.stderr
     report = json.loads(out.stdout)
+    # The demo spec ships trained weights in assets/; without them generate says the picture is noise.
+    assert report["trained_weights"] == (ASSETS / "demo.pt").is_file()
+    assert ("random weights" in out.stderr) != report["trained_weights"]
     assert report["frames"] == 24
     with av.open(str(mp4)) as c:
         kinds = sorted(s.type for s in c.streams)
@@ -60,6 +64,7 @@ def test_generate_writes_a_playable_mp4_with_audio(tmp_path):
     "args, message",
     [
         (["--spec", "nope"], "invalid choice"),
+        (["--preset", "nobody"], "invalid choice"),
         (["--audio", "/nonexistent.wav"], "not found"),
         (["--audio", "{junk}"], "cannot decode"),
         (["--audio", "{empty}"], "no audio"),
