@@ -122,7 +122,8 @@ def build_ui(controller: Controller) -> gr.Blocks:
         timer = gr.Timer(0.5)
         timer.tick(refresh, outputs=[transcript, latency, health, failures, restart_btn], show_progress="hidden")
         start_btn.click(start, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
-        stop_btn.click(None, js="() => window.talkloop.disconnect()").then(stop, outputs=[session_text])
+        # js runs first: the browser hangs up, then the server ends the session.
+        stop_btn.click(stop, outputs=[session_text], js="async () => { await window.talkloop.disconnect(); return []; }")
         restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
         refresh_btn.click(recordings_choices, outputs=[choice])
         choice.change(replay, inputs=[choice], outputs=[video, replay_latency, replay_transcript])
