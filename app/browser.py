@@ -34,15 +34,11 @@ def conversation_wav(path: str | Path, utterances: list[np.ndarray], lead_s: flo
 
 def start_server(controller) -> tuple[object, threading.Thread]:
     """The app's web server in a thread of this process (tests, bench); stop with stop_server."""
-    import gradio as gr
     import uvicorn
 
-    from app.server import build_api
-    from app.ui import build_ui
+    from app.server import build_app
 
-    recordings = Path(controller.config.recordings_dir).expanduser()
-    recordings.mkdir(parents=True, exist_ok=True)
-    app = gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)])
+    app = build_app(controller)
     server = uvicorn.Server(uvicorn.Config(app, host=controller.config.host, port=controller.config.port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="talkloop-server", daemon=True)
     thread.start()

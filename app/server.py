@@ -63,18 +63,26 @@ def build_api(controller: Controller) -> FastAPI:
     return api
 
 
-def serve(controller: Controller) -> None:
-    """Run until interrupted (Ctrl-C / SIGTERM), then close everything."""
+def build_app(controller: Controller):
+    """The ASGI app: signalling routes, then Gradio's page at /; recordings may be served for replay."""
+    import contextlib
+    import sys
+
     import gradio as gr
-    import uvicorn
 
     from app.ui import build_ui
 
-    api = build_api(controller)
-    demo = build_ui(controller)
     recordings = Path(controller.config.recordings_dir).expanduser()
     recordings.mkdir(parents=True, exist_ok=True)
-    app = gr.mount_gradio_app(api, demo, path="/", allowed_paths=[str(recordings)])
+    with contextlib.redirect_stdout(sys.stderr):  # mount_gradio_app prints; stdout is for --json output
+        return gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)])
+
+
+def serve(controller: Controller) -> None:
+    """Run until interrupted (Ctrl-C / SIGTERM), then close everything."""
+    import uvicorn
+
+    app = build_app(controller)
     server = uvicorn.Server(uvicorn.Config(app, host=controller.config.host, port=controller.config.port, log_level="warning"))
     try:
         server.run()

@@ -115,3 +115,35 @@ def test_one_turn_in_the_browser(app):
     assert any("client_delivered" in r["stamps"] for r in rec.trace())
     roles = [line["role"] for line in rec.transcript()]
     assert "user" in roles and "assistant" in roles
+
+
+def test_recorded_session_replays_with_its_latency_panel(app):
+    controller, _ = app
+    if not list_recordings(controller.config.recordings_dir):
+        pytest.skip("needs the recording of test_one_turn_in_the_browser")
+    with sync_playwright() as p:
+        browser = launch_chromium(p, None)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        page.goto(f"http://127.0.0.1:{controller.config.port}/")
+        page.get_by_role("tab", name="Recordings").click()
+        page.click("#tl-recordings-refresh")
+        page.locator("#tl-recordings input").click()
+        page.get_by_role("option").first.click()
+        wait_for(lambda: page.locator("#tl-replay-latency tr.tl-turn").count() >= 1, 30, "the replayed latency panel")
+        wait_for(lambda: page.locator("#tl-replay-video video").count() == 1, 30, "the replayed video")
+        assert "Ada" in page.locator("#tl-replay-transcript").inner_text()
+        browser.close()
+
+
+def test_a_denied_microphone_is_shown(app):
+    controller, _ = app
+    with sync_playwright() as p:
+        browser = launch_chromium(p, None, deny_microphone=True)
+        page = browser.new_page()
+        page.goto(f"http://127.0.0.1:{controller.config.port}/")
+        page.click("#tl-start")
+        wait_for(lambda: "denied" in page.locator("#tl-status").inner_text(), 30, "the page to say the microphone was denied")
+        wait_for(lambda: "denied" in page.locator("#tl-failures").inner_text(), 30, "the failure panel to show it")
+        assert any("Microphone access was denied" in f for f in controller.failures())
+        page.click("#tl-stop")
+        browser.close()
