@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import sys
 from pathlib import Path
 
 # Gradio reports usage to its makers unless told not to; this app talks to nobody.
@@ -66,7 +68,6 @@ def build_api(controller: Controller) -> FastAPI:
 def build_app(controller: Controller):
     """The ASGI app: signalling routes, then Gradio's page at /; recordings may be served for replay."""
     import contextlib
-    import sys
 
     import gradio as gr
 
@@ -84,7 +85,12 @@ def serve(controller: Controller) -> None:
 
     app = build_app(controller)
     server = uvicorn.Server(uvicorn.Config(app, host=controller.config.host, port=controller.config.port, log_level="warning"))
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the handler
+    # that was there before: make that an ordinary exit so the engine and voice loop are closed below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         server.run()
+    except KeyboardInterrupt:
+        pass
     finally:
         controller.close()

@@ -171,3 +171,34 @@ def test_engine_worker_death_is_shown_the_log_kept_and_restart_works(tmp_path):
         assert again.character.playout.stats.released >= 8
     finally:
         controller.close()
+
+
+def test_the_app_serves_and_shuts_down_cleanly_on_interrupt(tmp_path):
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--spec", "tiny", "--device", "cpu", "--port", str(port),
+                             "--recordings-dir", str(tmp_path / "rec")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, body = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/talkloop/client-config", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert json.loads(body) == {"audio_input": "browser"}
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read().decode()
+        assert "talkloop" in page
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert f"talkloop: http://127.0.0.1:{port}" in err

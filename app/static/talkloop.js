@@ -2,7 +2,7 @@
 // the character's video and voice down, and delivery reports measured here in the browser.
 (() => {
   const SILENT_RMS = 0.003, LOUD_RMS = 0.01, QUIET_BEFORE_MS = 150;
-  const state = { pc: null, channel: null, mic: null, ctx: null, onsets: [], frames: [], pending: new Map(), framesShown: 0 };
+  const state = { pc: null, channel: null, mic: null, ctx: null, timer: null, onsets: [], frames: [], pending: new Map(), framesShown: 0 };
 
   const epochMs = () => performance.timeOrigin + performance.now();
   const $ = (id) => document.getElementById(id);
@@ -28,7 +28,8 @@
     source.connect(analyser);
     const buf = new Float32Array(analyser.fftSize);
     let quietSince = epochMs();
-    setInterval(() => {
+    clearInterval(state.timer);
+    state.timer = setInterval(() => {
       analyser.getFloatTimeDomainData(buf);
       let sum = 0;
       for (const x of buf) sum += x * x;
@@ -129,6 +130,7 @@
   async function disconnect() {
     if (state.pc) { state.pc.close(); state.pc = null; }
     if (state.mic) { state.mic.getTracks().forEach((t) => t.stop()); state.mic = null; }
+    clearInterval(state.timer);
     if (state.ctx) { await state.ctx.close(); state.ctx = null; }
     state.pending.clear();
     status("stopped");
