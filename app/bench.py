@@ -107,8 +107,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--spec", default="demo", help="engine spec (default demo)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--spec", default=None, help="engine spec (default: the app's, demo)")
+    p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"))
     p.add_argument("--config", default=None, help="YAML settings for the app (agent, VAD, placement...)")
     p.add_argument("--utterances", type=int, default=5, help="turns to measure (at most 10)")
     p.add_argument("--gap-s", type=float, default=9.0, help="silence after each question, for the reply")

@@ -27,13 +27,14 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
     from voice.tts import PiperTTS
     from voice.vad import VADConfig
 
-    device = "auto" if config.device == "auto" else config.device
+    # The engine's --device cuda need not hold for the voice models (their CUDA builds are separate).
+    device = "cpu" if config.device == "cpu" else "auto"
     try:
         asr = WhisperASR(model=config.asr_model, device=device)
     except Exception as e:
         raise ValueError(f"speech recognition model missing or unreadable: {e}") from e
     try:
-        tts = PiperTTS(model_path=config.voice, use_cuda=None if device == "auto" else device == "cuda")
+        tts = PiperTTS(model_path=config.voice, use_cuda=False if device == "cpu" else None)
     except Exception as e:
         raise ValueError(f"text-to-speech voice missing or unreadable: {e}") from e
     if config.agent == "openai":
@@ -103,9 +104,8 @@ class Controller:
                 self.local_mic = None
             if live is None:
                 return None
-            stats = live.stop(self.session_log)
-            self.last = live
-            return stats
+            self.last = live  # shown (stopping, stopped or failed) from now on
+            return live.stop(self.session_log)
 
     def restart(self, preset: str | None = None, record: bool | None = None) -> LiveSession:
         """After an engine failure: the failed session is closed (its log and recording kept), a new one starts."""

@@ -83,6 +83,7 @@ class LiveSession:
         self._turn_listeners: list[TurnListener] = []
         self._lock = threading.Lock()
         self._pump: threading.Thread | None = None
+        self.closed = threading.Event()  # set once stop() has closed everything
         self.on_failure: Callable[["LiveSession"], None] | None = None
 
     # Set-up ---------------------------------------------------------------------------------
@@ -204,4 +205,5 @@ class LiveSession:
             self.engine.close()
         if self.recorder is not None:
             self.recorder.close(self.stats)
+        self.closed.set()
         return self.stats

@@ -73,6 +73,12 @@ def build_ui(controller: Controller) -> gr.Blocks:
             return f"restart failed: {e}"
         return f"restarted: session {live.session_id}"
 
+    def switch(preset: str, record: bool) -> str:
+        """A new preset while live: a new session on it (the browser reconnects)."""
+        if controller.live is None:
+            return f"next session: {preset}"
+        return start(preset, record)
+
     def recordings_choices():
         return gr.update(choices=[(r.label, r.folder.name) for r in list_recordings(config.recordings_dir)])
 
@@ -125,6 +131,8 @@ def build_ui(controller: Controller) -> gr.Blocks:
         # js runs first: the browser hangs up, then the server ends the session.
         stop_btn.click(stop, outputs=[session_text], js="async () => { await window.talkloop.disconnect(); return []; }")
         restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
+        preset.change(switch, inputs=[preset, record], outputs=[session_text]).then(
+            None, js="() => window.talkloop.state.pc ? window.talkloop.connect() : null")
         refresh_btn.click(recordings_choices, outputs=[choice])
         choice.change(replay, inputs=[choice], outputs=[video, replay_latency, replay_transcript])
         demo.load(recordings_choices, outputs=[choice])

@@ -12,6 +12,7 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("playwright")
@@ -107,6 +108,7 @@ def test_one_turn_in_the_browser(app):
     recordings = list_recordings(controller.config.recordings_dir)
     assert len(recordings) == 1
     rec = recordings[0]
+    assert rec.folder.name.endswith(live.session_id)
     streams = probe_streams(rec.video)
     assert streams["video"]["codec"] == "h264" and streams["audio"]["codec"] == "aac"
     assert streams["video"]["decoded_duration"] > 2.0
@@ -117,9 +119,30 @@ def test_one_turn_in_the_browser(app):
     assert "user" in roles and "assistant" in roles
 
 
+def test_switching_the_preset_while_live_starts_a_session_on_it(app):
+    controller, tmp = app
+    with sync_playwright() as p:
+        browser = launch_chromium(p, conversation_wav(tmp / "quiet.wav", [np.zeros(1600, np.float32)], gap_s=1.0))
+        page = browser.new_page()
+        page.goto(f"http://127.0.0.1:{controller.config.port}/")
+        page.click("#tl-start")
+        wait_for(lambda: controller.live is not None and controller.live.preset == "ada", 30, "a live session on ada")
+        first = controller.live
+        page.locator("#tl-preset input").click()
+        page.get_by_role("option", name="mika").click()
+        wait_for(lambda: controller.live is not None and controller.live.preset == "mika", 30, "a live session on mika")
+        assert controller.live is not first and first.stats is not None  # the old session was stopped
+        shown = page.evaluate("() => window.talkloop.state.framesShown")
+        wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > shown + 24, 30, "mika's video")
+        page.click("#tl-stop")
+        wait_for(lambda: controller.live is None, 30, "the session to stop")
+        browser.close()
+
+
 def test_recorded_session_replays_with_its_latency_panel(app):
     controller, _ = app
-    if not list_recordings(controller.config.recordings_dir):
+    talked = [r for r in list_recordings(controller.config.recordings_dir) if r.trace()]
+    if not talked:
         pytest.skip("needs the recording of test_one_turn_in_the_browser")
     with sync_playwright() as p:
         browser = launch_chromium(p, None)
@@ -128,7 +151,7 @@ def test_recorded_session_replays_with_its_latency_panel(app):
         page.get_by_role("tab", name="Recordings").click()
         page.click("#tl-recordings-refresh")
         page.locator("#tl-recordings input").click()
-        page.get_by_role("option").first.click()
+        page.get_by_role("option", name=talked[0].label).click()
         wait_for(lambda: page.locator("#tl-replay-latency tr.tl-turn").count() >= 1, 30, "the replayed latency panel")
         wait_for(lambda: page.locator("#tl-replay-video video").count() == 1, 30, "the replayed video")
         assert "Ada" in page.locator("#tl-replay-transcript").inner_text()
