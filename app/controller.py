@@ -158,6 +158,8 @@ class Controller:
                        step_ms_p50=round(stats.get("step_ms_p50", 0.0), 1), step_ms_p95=round(stats.get("step_ms_p95", 0.0), 1),
                        fps=round(stats.get("fps", 0.0), 1), buffer_depth=stats.get("buffer_depth"),
                        underruns=stats.get("underruns"), steps=stats.get("steps"))
+            offsets = sorted(shown.av_offsets_ms)
+            out["av_offset_ms"] = round(offsets[len(offsets) // 2]) if offsets else None
         else:
             out["state"] = "idle"
         return out

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,6 +84,7 @@ class LiveSession:
         self._turn_listeners: list[TurnListener] = []
         self._lock = threading.Lock()
         self._pump: threading.Thread | None = None
+        self.av_offsets_ms: deque[float] = deque(maxlen=30)  # the browser's video - audio playout estimates
         self.closed = threading.Event()  # set once stop() has closed everything
         self.on_failure: Callable[["LiveSession"], None] | None = None
 

@@ -197,6 +197,8 @@ class Peer:
                         t = self.clock.to_monotonic(float(message[key]))
                         if t is not None:
                             self.live.mark_turn(int(message["turn"]), stamp, t)
+            elif kind == "av_sync":
+                self.live.av_offsets_ms.append(float(message["offset_ms"]))
             elif kind == "error":
                 self.controller.client_error = str(message.get("message", "the browser reported an error"))[:500]
         except (ValueError, KeyError, TypeError) as e:

@@ -90,6 +90,10 @@ def test_one_turn_in_the_browser(app):
         after = page.evaluate("() => document.getElementById('tl-video').currentTime")
         assert after - before > 0.5, (before, after)
 
+        # Picture and voice are scheduled together: the browser's playout estimates agree within a few frames.
+        wait_for(lambda: len(controller.live.av_offsets_ms) >= 3, 30, "the browser's audio/video sync reports")
+        assert abs(controller.health()["av_offset_ms"]) <= 125, list(controller.live.av_offsets_ms)
+
         shot = Path(os.environ.get("TALKLOOP_SCREENSHOT", tmp / "app.png"))
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000

@@ -2,7 +2,7 @@
 // the character's video and voice down, and delivery reports measured here in the browser.
 (() => {
   const SILENT_RMS = 0.003, LOUD_RMS = 0.01, QUIET_BEFORE_MS = 150;
-  const state = { pc: null, channel: null, mic: null, ctx: null, timer: null, onsets: [], frames: [], pending: new Map(), framesShown: 0 };
+  const state = { pc: null, channel: null, mic: null, ctx: null, timer: null, syncTimer: null, onsets: [], frames: [], pending: new Map(), framesShown: 0 };
 
   const epochMs = () => performance.timeOrigin + performance.now();
   const $ = (id) => document.getElementById(id);
@@ -81,6 +81,17 @@
     }
   }
 
+  // Audio/video sync as the browser schedules it: the estimated playout times (sender's clock)
+  // of the latest video and audio frames received; their difference is within a frame when in sync.
+  async function reportSync() {
+    if (!state.pc) return;
+    const playout = {};
+    (await state.pc.getStats()).forEach((r) => {
+      if (r.type === "inbound-rtp" && r.estimatedPlayoutTimestamp) playout[r.kind] = r.estimatedPlayoutTimestamp;
+    });
+    if (playout.audio && playout.video) send({ type: "av_sync", offset_ms: playout.video - playout.audio });
+  }
+
   async function connect() {
     await disconnect();
     const config = await (await fetch("/talkloop/client-config")).json();
@@ -110,6 +121,8 @@
       if (event.track.kind === "audio") watchAudio(remote);
       video.play().catch(() => status("press the page once to let the character's voice play", true));
     };
+    clearInterval(state.syncTimer);
+    state.syncTimer = setInterval(reportSync, 1000);
     pc.onconnectionstatechange = () => {
       if (pc.connectionState === "connected") status("live: talk to the character");
       if (pc.connectionState === "failed") reportError("The connection to the app failed.");
@@ -131,6 +144,7 @@
     if (state.pc) { state.pc.close(); state.pc = null; }
     if (state.mic) { state.mic.getTracks().forEach((t) => t.stop()); state.mic = null; }
     clearInterval(state.timer);
+    clearInterval(state.syncTimer);
     if (state.ctx) { await state.ctx.close(); state.ctx = null; }
     state.pending.clear();
     status("stopped");
