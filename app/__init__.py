@@ -1,0 +1,1 @@
+"""The browser app: Gradio page, WebRTC media, latency panel, recording and replay."""

@@ -1,0 +1,136 @@
+"""End of the user's speech to the character's voice at the browser, over several turns.
+
+    python -m app.bench --json                 # demo spec, default agent, this machine's device
+    python -m app.bench --spec tiny --json     # the small engine CI uses on 2 CPU cores
+
+The whole app runs: its web server in this process, Debian's chromium driven by Playwright
+with a WAV of spoken questions as its microphone (each followed by silence for the reply),
+the real engine and the real voice loop. Delivery is the browser's own report: the first
+onset of the character's voice it played, on this process's clock through the data
+channel's clock sync. Prints the per-turn stages and their median and p95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from app.latency import STAGES, TOTAL, session_summary, turn_stages
+
+TARGET_S = 1.0  # median, one GPU, demo spec, default agent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def delivered_turns(live) -> list[dict[str, Any]]:
+    return [r for r in live.turn_records() if "client_delivered" in r["stamps"] and r.get("user_text")]
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from playwright.sync_api import sync_playwright
+
+    from app.browser import conversation_wav, launch_chromium, start_server, stop_server
+    from app.config import build_config
+    from app.controller import Controller
+    from voice.bench import QUESTIONS
+    from voice.samples import sample_speech
+
+    tmp = Path(tempfile.mkdtemp(prefix="talkloop-bench-"))
+    config = build_config(args.config, dict(spec=args.spec, device=args.device, port=free_port(), record=False,
+                                            session_log=str(tmp / "sessions.jsonl")))
+    questions = QUESTIONS[: args.utterances]
+    wav = conversation_wav(tmp / "questions.wav", [sample_speech(q) for q in questions], gap_s=args.gap_s)
+    controller = Controller(config)
+    if controller.failures():
+        raise RuntimeError("; ".join(controller.failures()))
+    server, thread = start_server(controller)
+    load_before = os.getloadavg()
+    try:
+        with sync_playwright() as p:
+            browser = launch_chromium(p, wav)
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(f"http://127.0.0.1:{config.port}/")
+            page.click("#tl-start")
+            deadline = time.monotonic() + args.utterances * (args.gap_s + 6.0) + 120.0
+            while time.monotonic() < deadline:
+                live = controller.live
+                if live is not None and len(delivered_turns(live)) >= args.utterances:
+                    break
+                if controller.failures():
+                    raise RuntimeError("; ".join(controller.failures()))
+                time.sleep(0.5)
+            if args.screenshot:
+                time.sleep(1.0)  # one more panel refresh
+                page.screenshot(path=args.screenshot, full_page=True)
+            browser.close()
+        live = controller.live
+        health = controller.health()
+        controller.stop()
+    finally:
+        controller.close()
+        stop_server(server, thread)
+    records = delivered_turns(live) if live is not None else []
+    turns = [{"turn": r["turn_id"], "transcript": r.get("user_text", ""), "reply": r.get("reply_text", ""),
+              "stages_ms": {k: round(1000 * v, 1) for k, v in turn_stages(r).items()}} for r in records]
+    summary = session_summary(records)
+    total = summary[TOTAL[0]]
+    return {
+        "benchmark": "app: end of user speech -> character's voice played in the browser",
+        "end_of_speech": "last voiced microphone chunk fed to the voice loop (so end-of-turn detection is counted)",
+        "delivered": "first onset of the character's voice played by the browser, reported over the data channel",
+        "spec": config.spec, "device": health.get("device"), "placement": health.get("placement"),
+        "weights": health.get("weights"), "agent": config.agent,
+        "engine": {k: health.get(k) for k in ("fps", "step_ms_p50", "step_ms_p95", "underruns", "buffer_depth", "av_offset_ms")},
+        "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "utterances_asked": len(questions), "turns_measured": len(records),
+        "turns": turns,
+        "stages_s": {label: summary[key] for key, label, *_ in (*STAGES, TOTAL)},
+        "target": {"metric": "end of speech -> voice at the browser, median", "limit_s": TARGET_S,
+                   "applies_to": "one GPU, demo spec, default agent", "median_s": total.get("median"),
+                   "p95_s": total.get("p95"), "met": total.get("median") is not None and total["median"] <= TARGET_S},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--spec", default=None, help="engine spec (default: the app's, demo)")
+    p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"))
+    p.add_argument("--config", default=None, help="YAML settings for the app (agent, VAD, placement...)")
+    p.add_argument("--utterances", type=int, default=5, help="turns to measure (at most 10)")
+    p.add_argument("--gap-s", type=float, default=9.0, help="silence after each question, for the reply")
+    p.add_argument("--screenshot", default=None, help="save the page as a PNG at the end")
+    args = p.parse_args(argv)
+    if not 1 <= args.utterances <= 10:
+        p.error("--utterances must be between 1 and 10")
+    try:
+        report = run_bench(args)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for turn in report["turns"]:
+            print(f"turn {turn['turn']}: {turn['transcript']!r} {turn['stages_ms']}")
+        for name, s in report["stages_s"].items():
+            print(f"{name:40s} median {s.get('median', float('nan')) * 1000:7.0f} ms  p95 {s.get('p95', float('nan')) * 1000:7.0f} ms  (n={s['n']})")
+        print(f"target {report['target']}")
+    return 0 if report["turns_measured"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

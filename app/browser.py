@@ -1,0 +1,67 @@
+"""Drives the app from Debian's chromium with Playwright: a WAV file is the microphone.
+
+Used by the end-to-end test and by `python -m app.bench`. Playwright's own browser
+downloads are never used: chromium is the system's (`/usr/bin/chromium`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from voice.audio import SAMPLE_RATE, write_wav
+
+
+def chromium_path() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        raise RuntimeError("chromium not found (Debian: apt-get install chromium)")
+    return path
+
+
+def conversation_wav(path: str | Path, utterances: list[np.ndarray], lead_s: float = 1.5, gap_s: float = 8.0) -> Path:
+    """16 kHz utterances, each after lead_s of silence and followed by gap_s for the reply."""
+    silence = lambda s: np.zeros(int(s * SAMPLE_RATE), np.float32)  # noqa: E731
+    parts = []
+    for speech in utterances:
+        parts += [silence(lead_s), speech.astype(np.float32), silence(gap_s)]
+    return write_wav(path, np.concatenate(parts), SAMPLE_RATE)
+
+
+def start_server(controller) -> tuple[object, threading.Thread]:
+    """The app's web server in a thread of this process (tests, bench); stop with stop_server."""
+    import uvicorn
+
+    from app.server import build_app
+
+    app = build_app(controller)
+    server = uvicorn.Server(uvicorn.Config(app, host=controller.config.host, port=controller.config.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="talkloop-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the app's web server did not start")
+        time.sleep(0.05)
+    return server, thread
+
+
+def stop_server(server, thread: threading.Thread) -> None:
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def launch_chromium(playwright, wav: str | Path | None, *, deny_microphone: bool = False):
+    """Headless chromium whose microphone plays `wav` (looped)."""
+    args = ["--use-fake-device-for-media-stream", "--autoplay-policy=no-user-gesture-required", "--no-sandbox"]
+    if wav is not None:
+        args.append(f"--use-file-for-fake-audio-capture={wav}")
+    if deny_microphone:
+        args.append("--deny-permission-prompts")
+    else:
+        args.append("--use-fake-ui-for-media-stream")
+    return playwright.chromium.launch(executable_path=chromium_path(), headless=True, args=args)

@@ -1,0 +1,170 @@
+"""The app's state: the engine host, the voice models, the live session, and what failed.
+
+One person talks to one character at a time: Start makes a new live session (a fresh
+character on the chosen preset and a fresh voice loop over the shared models), Stop
+ends it. Failures are kept as text for the page to show, never swallowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from app.config import AppConfig
+from app.engine_host import EngineHost
+from app.live import LiveSession, VoiceModels
+from app.recorder import SessionRecorder
+from engine.sessions import default_log
+
+log = logging.getLogger(__name__)
+
+
+def load_voice_models(config: AppConfig) -> VoiceModels:
+    """ASR, TTS and the agent; ValueError naming what is missing."""
+    from voice.agent import OpenAIChatAgent, PersonaAgent
+    from voice.asr import WhisperASR
+    from voice.tts import PiperTTS
+    from voice.vad import VADConfig
+
+    # The engine's --device cuda need not hold for the voice models (their CUDA builds are separate).
+    device = "cpu" if config.device == "cpu" else "auto"
+    try:
+        asr = WhisperASR(model=config.asr_model, device=device)
+    except Exception as e:
+        raise ValueError(f"speech recognition model missing or unreadable: {e}") from e
+    try:
+        tts = PiperTTS(model_path=config.voice, use_cuda=False if device == "cpu" else None)
+    except Exception as e:
+        raise ValueError(f"text-to-speech voice missing or unreadable: {e}") from e
+    if config.agent == "openai":
+        agent = OpenAIChatAgent(base_url=config.base_url, model=config.model, system_prompt=config.system_prompt, name=config.name)
+    else:
+        agent = PersonaAgent(name=config.name)
+    asr.warm_up()
+    tts.warm_up()
+    vad = VADConfig(threshold=config.vad_threshold, min_silence_ms=config.min_silence_ms, speech_pad_ms=config.preroll_ms)
+    return VoiceModels(asr, tts, agent, vad)
+
+
+class Controller:
+    def __init__(self, config: AppConfig):
+        self.config = config
+        self.session_log = config.session_log or str(default_log())
+        self.engine_error: str | None = None
+        self.voice_error: str | None = None
+        self.client_error: str | None = None
+        self.mic_error: str | None = None
+        self.live: LiveSession | None = None
+        self.last: LiveSession | None = None  # the session before, kept for its transcript and latency
+        self._lock = threading.RLock()
+        self.host: EngineHost | None = None
+        try:
+            self.host = EngineHost(config)
+        except Exception as e:
+            log.exception("engine failed to start")
+            self.engine_error = f"engine failed to start: {e}"
+        try:
+            self.voice = load_voice_models(config)
+        except ValueError as e:
+            log.error("%s", e)
+            self.voice, self.voice_error = None, str(e)
+        self.local_mic = None
+
+    # Sessions -----------------------------------------------------------------------------------
+    def start(self, preset: str | None = None, record: bool | None = None) -> LiveSession:
+        with self._lock:
+            if self.host is None:
+                raise RuntimeError(self.engine_error or "the engine is not running")
+            self.stop()
+            preset = preset or self.config.preset
+            record = self.config.record if record is None else record
+            character, engine = self.host.new_character(preset)
+            recorder = None
+            live = LiveSession(character, engine, preset)
+            if record:
+                recorder = SessionRecorder(self.config.recordings_dir, live.session_id, self.host.spec.fps, self.host.spec.image_size,
+                                           {"preset": preset, "spec": self.host.spec.name, "device": str(self.host.device),
+                                            "trained_weights": self.host.trained})
+                live.recorder = recorder
+            if self.voice is not None:
+                live.attach_voice(self.voice)
+            live.on_failure = self._on_failure
+            live.start()
+            self.live, self.client_error = live, None
+            if self.config.audio_input == "local":
+                self._start_local_mic(live)
+            return live
+
+    def stop(self) -> dict | None:
+        with self._lock:
+            live, self.live = self.live, None
+            if self.local_mic is not None:
+                self.local_mic.close()
+                self.local_mic = None
+            if live is None:
+                return None
+            self.last = live  # shown (stopping, stopped or failed) from now on
+            return live.stop(self.session_log)
+
+    def restart(self, preset: str | None = None, record: bool | None = None) -> LiveSession:
+        """After an engine failure: the failed session is closed (its log and recording kept), a new one starts."""
+        with self._lock:
+            failed = self.live or self.last
+            preset = preset or (failed.preset if failed else None)
+            if self.host is None:
+                self.engine_error = None
+                self.host = EngineHost(self.config)
+            return self.start(preset, record)
+
+    def _on_failure(self, live: LiveSession) -> None:
+        # Called from the pump thread: close what is left so the session log and recording are written now.
+        def close() -> None:
+            with self._lock:
+                if self.live is live:
+                    self.stop()
+        threading.Thread(target=close, name="talkloop-failed-session", daemon=True).start()
+
+    def _start_local_mic(self, live: LiveSession) -> None:
+        from app.local_mic import LocalMicrophone
+
+        try:
+            self.local_mic = LocalMicrophone(live.feed_mic)
+            self.mic_error = None
+        except RuntimeError as e:
+            self.mic_error = str(e)
+
+    # What the page shows ------------------------------------------------------------------------
+    def shown(self) -> LiveSession | None:
+        return self.live or self.last
+
+    def failures(self) -> list[str]:
+        shown = self.shown()
+        found = [self.engine_error, self.voice_error, self.mic_error, self.client_error,
+                 shown.failure if shown else None,
+                 shown.recorder.error if shown and shown.recorder else None]
+        return [f for f in found if f]
+
+    def health(self) -> dict[str, Any]:
+        host = self.host
+        out: dict[str, Any] = {"spec": self.config.spec}
+        if host is not None:
+            out.update(device=str(host.device), placement=host.placement_text,
+                       weights="trained" if host.trained else "random (no trained weights shipped yet)")
+        shown = self.shown()
+        if shown is not None:
+            stats = shown.stats if shown.stats is not None else shown.character.stats()
+            out.update(state="live" if shown is self.live else ("failed" if shown.failure else "stopped"),
+                       step_ms_p50=round(stats.get("step_ms_p50", 0.0), 1), step_ms_p95=round(stats.get("step_ms_p95", 0.0), 1),
+                       fps=round(stats.get("fps", 0.0), 1), buffer_depth=stats.get("buffer_depth"),
+                       underruns=stats.get("underruns"), steps=stats.get("steps"))
+            offsets = sorted(shown.av_offsets_ms)
+            out["av_offset_ms"] = round(offsets[len(offsets) // 2]) if offsets else None
+        else:
+            out["state"] = "idle"
+        return out
+
+    def close(self) -> None:
+        self.stop()
+        if self.host is not None:
+            self.host.close()

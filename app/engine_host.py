@@ -1,0 +1,148 @@
+"""The embedded engine: weights loaded once at start-up, one real-time character per session.
+
+One GPU (or the CPU): the engine runs in this process. Several GPUs, or `gpus` / `tp`
+given: one process per diffusion GPU plus decoder processes (`DistributedEngine`); a
+spare engine is started ahead so the next session does not wait for weights to load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from app.config import AppConfig
+from engine.character import reference_image
+from engine.config import ModelSpec, get_spec
+from engine.playout import PlayoutBuffer
+from engine.realtime import LocalSteps, RealtimeCharacter, RemoteSteps
+from engine.session import EngineSession
+from engine.weights import load_engine
+
+log = logging.getLogger(__name__)
+
+
+class CommittedSteps(LocalSteps):
+    """Local steps whose next free frame moves on as soon as a step is submitted.
+
+    The session counts a step only once it is made, so speech pushed while a step is in
+    flight would otherwise be laid on frames whose audio was already taken.
+    """
+
+    def __init__(self, session: EngineSession, codec):
+        super().__init__(session, codec)
+        self._committed = 0
+
+    @property
+    def next_frame(self) -> int:
+        return max(self.session.next_frame, self._committed)
+
+    def submit(self, features: torch.Tensor, window_start: int) -> None:
+        self._committed = self.session.next_frame + self.spec.frames_per_latent
+        super().submit(features, window_start)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but no CUDA GPU is visible (use --device cpu)")
+    return torch.device(name)
+
+
+class EngineHost:
+    def __init__(self, config: AppConfig):
+        self.config = config
+        self.spec: ModelSpec = get_spec(config.spec)
+        self.device = pick_device(config.device)
+        self.placement = self._plan_placement()
+        # The codec stays in this process: it encodes each preset's reference picture.
+        dtype = torch.bfloat16 if self.device.type == "cuda" and self.placement is None else torch.float32
+        model, self.codec, self.trained = load_engine(self.spec, weights=config.weights, device="cpu", seed=0)
+        self.model = model.to(self.device, dtype) if self.placement is None else None
+        if self.model is not None:
+            self.codec = self.codec.to(self.device)
+        self._spare = None
+        self._spare_lock = threading.Lock()
+        if self.placement is not None:
+            self._spare = self._new_distributed()
+
+    def _plan_placement(self):
+        """None: this process; else the Placement of the engine's own processes."""
+        from engine.distributed import Placement
+
+        c = self.config
+        visible = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        if c.tp is not None:
+            if self.device.type == "cuda":
+                raise ValueError("tp is for CPU processes; on GPUs give gpus (and decoder_gpu)")
+            return Placement(cpu_ranks=c.tp)
+        if self.device.type != "cuda":
+            if c.gpus or c.decoder_gpu:
+                raise ValueError("gpus / decoder_gpu need device cuda")
+            return None
+        if c.gpus is None and c.decoder_gpu is None and visible <= 1:
+            return None
+        return Placement.plan(c.gpus, c.decoder_gpu, visible=visible, n_heads=self.spec.n_heads)
+
+    @property
+    def placement_text(self) -> str:
+        if self.placement is None:
+            return f"one process on {self.device}"
+        p = self.placement
+        where = f"GPUs {list(p.diffusion)}" if p.diffusion else f"{p.tp} CPU process(es)"
+        return f"diffusion on {where}, decoders on {list(p.decoders) or 'the first diffusion device'}"
+
+    def _new_distributed(self):
+        from engine.distributed import DistributedEngine
+
+        return DistributedEngine(self.spec, self.placement, weights=self.config.weights, seed=0)
+
+    def _take_distributed(self):
+        with self._spare_lock:
+            engine, self._spare = self._spare, None
+        if engine is None or engine.closed:
+            engine = self._new_distributed()
+        threading.Thread(target=self._refill_spare, name="talkloop-spare-engine", daemon=True).start()
+        return engine
+
+    def _refill_spare(self) -> None:
+        try:
+            engine = self._new_distributed()
+        except Exception:
+            log.exception("could not start a spare engine")
+            return
+        with self._spare_lock:
+            if self._spare is None:
+                self._spare = engine
+                return
+        engine.close()
+
+    def new_character(self, preset: str) -> tuple[RealtimeCharacter, object | None]:
+        """A started character for a preset, and its distributed engine (None when local)."""
+        reference = self.codec.encode_reference(reference_image(preset, self.spec.image_size).to(self.codec_device))
+        playout = PlayoutBuffer(fps=self.spec.fps, prebuffer=self.config.prebuffer, max_lead=self.config.max_lead)
+        if self.placement is None:
+            session = EngineSession(self.model)
+            session.start(reference)
+            character = RealtimeCharacter(steps=CommittedSteps(session, self.codec), playout=playout)
+            engine = None
+        else:
+            engine = self._take_distributed()
+            steps = RemoteSteps(engine)
+            steps.start(reference.cpu())
+            character = RealtimeCharacter(steps=steps, playout=playout, lookahead=1)
+        character.start()
+        return character, engine
+
+    @property
+    def codec_device(self) -> torch.device:
+        tensor = next(iter([*self.codec.parameters(), *self.codec.buffers()]), None)
+        return tensor.device if tensor is not None else torch.device("cpu")
+
+    def close(self) -> None:
+        with self._spare_lock:
+            engine, self._spare = self._spare, None
+        if engine is not None:
+            engine.close()

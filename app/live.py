@@ -1,0 +1,211 @@
+"""One live conversation: a character, a voice loop, an optional recording, and the pump
+that takes frames from the engine's playout buffer to the browser and the recording.
+
+The voice loop's reply audio goes to the character (`EngineSink`); picture and sound then
+leave the playout buffer together, one frame every 1/24 s. The pump stamps each turn's
+first speaking frame when it is released; the browser reports when that speech played.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from app.recorder import SessionRecorder
+from engine.realtime import AVFrame, RealtimeCharacter
+from voice.loop import LoopEvent, VoiceLoop, VoiceLoopConfig
+from voice.trace import now
+from voice.vad import VADConfig
+
+log = logging.getLogger(__name__)
+
+FrameListener = Callable[[AVFrame, float], None]
+TurnListener = Callable[[int, float], None]
+
+
+class EngineSink:
+    """The voice loop's audio sink: reply speech goes to the character."""
+
+    def __init__(self, character: RealtimeCharacter):
+        self.character = character
+        self.speech_from_frame: int | None = None  # the first frame the newest reply speech can land on
+
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
+        if self.speech_from_frame is None:
+            self.speech_from_frame = self.character.steps.next_frame
+        self.character.push_audio(pcm, sample_rate)
+
+    def clear(self) -> None:
+        self.speech_from_frame = None
+        self.character.clear()
+
+
+@dataclass
+class VoiceModels:
+    """Models loaded once for the app's life; each session makes its own loop over them."""
+
+    asr: object
+    tts: object
+    agent: object
+    vad: VADConfig
+
+
+@dataclass
+class TranscriptLine:
+    turn_id: int
+    role: str  # "user" or "assistant"
+    text: str
+    final: bool = False
+
+
+@dataclass
+class LiveSession:
+    character: RealtimeCharacter
+    engine: object | None  # the DistributedEngine, when the engine runs in its own processes
+    preset: str
+    recorder: SessionRecorder | None = None
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+    voice: VoiceLoop | None = None
+    transcript: list[TranscriptLine] = field(default_factory=list)
+    failure: str | None = None
+    stats: dict | None = None
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.sink = EngineSink(self.character)
+        self._listeners: list[FrameListener] = []
+        self._turn_listeners: list[TurnListener] = []
+        self._lock = threading.Lock()
+        self._pump: threading.Thread | None = None
+        self.av_offsets_ms: deque[float] = deque(maxlen=30)  # the browser's video - audio playout estimates
+        self.closed = threading.Event()  # set once stop() has closed everything
+        self.on_failure: Callable[["LiveSession"], None] | None = None
+
+    # Set-up ---------------------------------------------------------------------------------
+    def attach_voice(self, models: VoiceModels) -> None:
+        config = VoiceLoopConfig(vad=models.vad, output_sample_rate=16000,
+                                 trace_path=str(self.recorder.trace_path) if self.recorder else None)
+        self.voice = VoiceLoop(self.sink, agent=models.agent, asr=models.asr, tts=models.tts, config=config,
+                               on_event=self._on_voice_event)
+
+    def start(self) -> None:
+        self._pump = threading.Thread(target=self._run_pump, name="talkloop-pump", daemon=True)
+        self._pump.start()
+
+    # Listeners (WebRTC peers) ------------------------------------------------------------------
+    def add_listener(self, frames: FrameListener, turns: TurnListener) -> None:
+        with self._lock:
+            self._listeners.append(frames)
+            self._turn_listeners.append(turns)
+
+    def remove_listener(self, frames: FrameListener, turns: TurnListener) -> None:
+        with self._lock:
+            if frames in self._listeners:
+                self._listeners.remove(frames)
+            if turns in self._turn_listeners:
+                self._turn_listeners.remove(turns)
+
+    # Audio in -----------------------------------------------------------------------------------
+    def feed_mic(self, pcm: np.ndarray, sample_rate: int) -> None:
+        if self.voice is not None and self.failure is None:
+            self.voice.feed(pcm, sample_rate)
+
+    def mark_turn(self, turn_id: int, name: str, t: float) -> None:
+        """A stamp from outside the server (the browser's delivery report), on this session's clock."""
+        if self.voice is None:
+            return
+        try:
+            self.voice.trace.mark(turn_id, name, t)
+        except KeyError:
+            log.warning("stamp %s for unknown turn %s", name, turn_id)
+
+    # The pump -----------------------------------------------------------------------------------
+    def _run_pump(self) -> None:
+        try:
+            for frame in self.character.frames(timeout=1.0):
+                t = now()
+                self._stamp_speaking(frame, t)
+                with self._lock:
+                    listeners = list(self._listeners)
+                for listener in listeners:
+                    listener(frame, t)
+                if self.recorder is not None:
+                    self.recorder.write_frame(frame.rgb, frame.pcm)
+        except Exception as e:  # the engine loop or a worker process died
+            self.failure = f"engine stopped: {e}"
+            log.error("%s", self.failure)
+            if self.on_failure is not None:
+                self.on_failure(self)
+
+    def _stamp_speaking(self, frame: AVFrame, t: float) -> None:
+        start = self.sink.speech_from_frame
+        if start is None or not frame.speaking or frame.index < start or self.voice is None:
+            return
+        self.sink.speech_from_frame = None
+        turn = next((tt for tt in reversed(list(self.voice.trace.turns)) if "tts_first_audio" in tt.stamps), None)
+        if turn is None or "first_speaking_frame" in turn.stamps:
+            return
+        self.voice.trace.mark(turn.turn_id, "first_speaking_frame", t)
+        with self._lock:
+            listeners = list(self._turn_listeners)
+        for listener in listeners:
+            listener(turn.turn_id, t)
+
+    # Transcript -----------------------------------------------------------------------------------
+    def _on_voice_event(self, event: LoopEvent) -> None:
+        with self._lock:
+            if event.kind in ("user_partial", "user_final"):
+                line = self._line(event.turn_id, "user")
+                line.text, line.final = event.text, event.kind == "user_final"
+                if line.final and self.recorder is not None and event.text:
+                    self.recorder.add_line("user", event.turn_id, event.text)
+                if line.final and not event.text:
+                    self.transcript.remove(line)
+            elif event.kind == "agent_text":
+                self._line(event.turn_id, "assistant").text += event.text
+            elif event.kind == "agent_done":
+                line = self._line(event.turn_id, "assistant")
+                line.text, line.final = event.text, True
+                if self.recorder is not None:
+                    self.recorder.add_line("assistant", event.turn_id, event.text)
+            elif event.kind == "error":
+                self.transcript.append(TranscriptLine(event.turn_id, "error", event.text, True))
+
+    def _line(self, turn_id: int, role: str) -> TranscriptLine:
+        for line in reversed(self.transcript):
+            if line.turn_id == turn_id and line.role == role:
+                return line
+        line = TranscriptLine(turn_id, role, "")
+        self.transcript.append(line)
+        return line
+
+    def turn_records(self) -> list[dict]:
+        return [t.to_record() for t in list(self.voice.trace.turns)] if self.voice is not None else []
+
+    # Stop ---------------------------------------------------------------------------------------
+    def stop(self, session_log: str | None) -> dict:
+        """Stop voice, engine and pump; the engine's figures go to the session log; the recording is closed."""
+        if self.stats is not None:
+            return self.stats
+        if self.voice is not None:
+            self.voice.close()
+        try:
+            self.stats = self.character.stop(session_log=session_log)
+        except Exception as e:  # the session log must not stop the shutdown
+            log.exception("stopping the character failed")
+            self.stats = {"error": str(e)}
+        if self._pump is not None:
+            self._pump.join(timeout=5)
+        if self.engine is not None:
+            self.engine.close()
+        if self.recorder is not None:
+            self.recorder.close(self.stats)
+        self.closed.set()
+        return self.stats

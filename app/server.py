@@ -1,0 +1,96 @@
+"""The web server: Gradio's page and the WebRTC signalling routes on one FastAPI app,
+served by uvicorn; on exit the live session, the voice loop and the engine are closed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+# Gradio reports usage to its makers unless told not to; this app talks to nobody.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse  # noqa: E402
+from fastapi.staticfiles import StaticFiles  # noqa: E402
+
+from app.controller import Controller  # noqa: E402
+
+log = logging.getLogger(__name__)
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+def build_api(controller: Controller) -> FastAPI:
+    api = FastAPI(title="talkloop")
+    peers: set = set()
+
+    @api.get("/talkloop/client-config")
+    async def client_config() -> dict:
+        return {"audio_input": controller.config.audio_input}
+
+    @api.post("/talkloop/offer")
+    async def offer(request: Request):
+        from app.rtc import Peer
+
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("sdp"), str) or body.get("type") != "offer":
+            return JSONResponse({"error": "expected a JSON offer: {sdp, type: 'offer'}"}, status_code=400)
+        live = controller.live
+        if live is None:
+            return JSONResponse({"error": "no live session: press Start"}, status_code=409)
+        for old in list(peers):  # one viewer at a time: a new connection replaces the old one
+            await old.close()
+            peers.discard(old)
+        peer = Peer(controller, live, asyncio.get_running_loop())
+        peers.add(peer)
+        answer = await peer.answer(body["sdp"], body["type"])
+        return {"sdp": answer.sdp, "type": answer.type}
+
+    @api.post("/talkloop/client-error")
+    async def client_error(request: Request) -> dict:
+        body = await request.json()
+        message = str(body.get("message", "the browser reported an error")) if isinstance(body, dict) else "bad report"
+        controller.client_error = message[:500]
+        return {"ok": True}
+
+    @api.on_event("shutdown")
+    async def close_peers() -> None:
+        for peer in list(peers):
+            await peer.close()
+
+    api.mount("/talkloop/static", StaticFiles(directory=STATIC), name="talkloop-static")
+    return api
+
+
+def build_app(controller: Controller):
+    """The ASGI app: signalling routes, then Gradio's page at /; recordings may be served for replay."""
+    import contextlib
+
+    import gradio as gr
+
+    from app.ui import build_ui
+
+    recordings = Path(controller.config.recordings_dir).expanduser()
+    recordings.mkdir(parents=True, exist_ok=True)
+    with contextlib.redirect_stdout(sys.stderr):  # mount_gradio_app prints; stdout is for --json output
+        return gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)])
+
+
+def serve(controller: Controller) -> None:
+    """Run until interrupted (Ctrl-C / SIGTERM), then close everything."""
+    import uvicorn
+
+    app = build_app(controller)
+    server = uvicorn.Server(uvicorn.Config(app, host=controller.config.host, port=controller.config.port, log_level="warning"))
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the handler
+    # that was there before: make that an ordinary exit so the engine and voice loop are closed below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        controller.close()

@@ -1,0 +1,154 @@
+// talkloop browser client: WebRTC to the app (no STUN/TURN: localhost), the microphone up,
+// the character's video and voice down, and delivery reports measured here in the browser.
+(() => {
+  const SILENT_RMS = 0.003, LOUD_RMS = 0.01, QUIET_BEFORE_MS = 150;
+  const state = { pc: null, channel: null, mic: null, ctx: null, timer: null, syncTimer: null, onsets: [], frames: [], pending: new Map(), framesShown: 0 };
+
+  const epochMs = () => performance.timeOrigin + performance.now();
+  const $ = (id) => document.getElementById(id);
+
+  function status(text, isError) {
+    const el = $("tl-status");
+    if (el) { el.textContent = text; el.classList.toggle("tl-error", !!isError); }
+  }
+
+  async function reportError(message) {
+    status(message, true);
+    try {
+      await fetch("/talkloop/client-error", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ message }) });
+    } catch (e) { /* the page already shows it */ }
+  }
+
+  // Audio onsets of the character's voice as played here: silence, then sound.
+  function watchAudio(stream) {
+    state.ctx = new AudioContext();
+    const source = state.ctx.createMediaStreamSource(stream);
+    const analyser = state.ctx.createAnalyser();
+    analyser.fftSize = 512;
+    source.connect(analyser);
+    const buf = new Float32Array(analyser.fftSize);
+    let quietSince = epochMs();
+    clearInterval(state.timer);
+    state.timer = setInterval(() => {
+      analyser.getFloatTimeDomainData(buf);
+      let sum = 0;
+      for (const x of buf) sum += x * x;
+      const rms = Math.sqrt(sum / buf.length), t = epochMs();
+      if (rms < SILENT_RMS) { if (quietSince === null) quietSince = t; }
+      else if (rms > LOUD_RMS && quietSince !== null) {
+        if (t - quietSince >= QUIET_BEFORE_MS) { state.onsets.push(t); state.onsets = state.onsets.slice(-50); checkPending(); }
+        quietSince = null;
+      }
+    }, 5);
+  }
+
+  // Every frame the video element presents, with when it was presented.
+  function watchVideo(video) {
+    const offset = performance.timeOrigin;
+    const onFrame = (now, meta) => {
+      state.framesShown += 1;
+      state.frames.push(offset + meta.presentationTime);
+      state.frames = state.frames.slice(-400);
+      checkPending();
+      video.requestVideoFrameCallback(onFrame);
+    };
+    video.requestVideoFrameCallback(onFrame);
+  }
+
+  // A turn's first speaking frame left the server at released_ms: report the first voice
+  // onset played after it, and the first frame presented with that voice.
+  function checkPending() {
+    for (const [turn, released] of state.pending) {
+      const audio = state.onsets.find((t) => t >= released);
+      if (audio === undefined) continue;
+      const frame = state.frames.find((t) => t >= audio - 1000 / 48);
+      if (frame === undefined) continue;
+      state.pending.delete(turn);
+      send({ type: "delivered", turn, audio_ms: audio, frame_ms: frame });
+    }
+  }
+
+  function send(message) {
+    if (state.channel && state.channel.readyState === "open") state.channel.send(JSON.stringify(message));
+  }
+
+  function onMessage(event) {
+    const message = JSON.parse(event.data);
+    if (message.type === "ping") send({ type: "pong", sent: message.sent, browser_ms: epochMs() });
+    else if (message.type === "speaking") {
+      state.pending.set(message.turn, message.released_ms === null ? epochMs() - 5000 : message.released_ms);
+      checkPending();
+    }
+  }
+
+  // Audio/video sync as the browser schedules it: the estimated playout times (sender's clock)
+  // of the latest video and audio frames received; their difference is within a frame when in sync.
+  async function reportSync() {
+    if (!state.pc) return;
+    const playout = {};
+    (await state.pc.getStats()).forEach((r) => {
+      if (r.type === "inbound-rtp" && r.estimatedPlayoutTimestamp) playout[r.kind] = r.estimatedPlayoutTimestamp;
+    });
+    if (playout.audio && playout.video) send({ type: "av_sync", offset_ms: playout.video - playout.audio });
+  }
+
+  async function connect() {
+    await disconnect();
+    const config = await (await fetch("/talkloop/client-config")).json();
+    status("connecting…");
+    if (config.audio_input === "browser") {
+      try {
+        state.mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 } });
+      } catch (e) {
+        const denied = e && (e.name === "NotAllowedError" || e.name === "SecurityError");
+        await reportError(denied ? "Microphone access was denied: allow the microphone for this page and press Start again."
+                                 : `No microphone: ${e && e.message ? e.message : e}`);
+        return false;
+      }
+    }
+    const pc = new RTCPeerConnection({ iceServers: [] });
+    state.pc = pc;
+    if (state.mic) state.mic.getTracks().forEach((track) => pc.addTrack(track, state.mic));
+    else pc.addTransceiver("audio", { direction: "recvonly" });
+    pc.addTransceiver("video", { direction: "recvonly" });
+    state.channel = pc.createDataChannel("talkloop");
+    state.channel.onmessage = onMessage;
+    const video = $("tl-video");
+    const remote = new MediaStream();
+    pc.ontrack = (event) => {
+      remote.addTrack(event.track);
+      if (video.srcObject !== remote) { video.srcObject = remote; watchVideo(video); }
+      if (event.track.kind === "audio") watchAudio(remote);
+      video.play().catch(() => status("press the page once to let the character's voice play", true));
+    };
+    clearInterval(state.syncTimer);
+    state.syncTimer = setInterval(reportSync, 1000);
+    pc.onconnectionstatechange = () => {
+      if (pc.connectionState === "connected") status("live: talk to the character");
+      if (pc.connectionState === "failed") reportError("The connection to the app failed.");
+    };
+    await pc.setLocalDescription(await pc.createOffer());
+    await new Promise((resolve) => {
+      if (pc.iceGatheringState === "complete") return resolve();
+      pc.addEventListener("icegatheringstatechange", () => pc.iceGatheringState === "complete" && resolve());
+      setTimeout(resolve, 2000);
+    });
+    const answer = await fetch("/talkloop/offer", { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ sdp: pc.localDescription.sdp, type: pc.localDescription.type }) });
+    if (!answer.ok) { await reportError((await answer.json()).error || "the app refused the connection"); return false; }
+    await pc.setRemoteDescription(await answer.json());
+    return true;
+  }
+
+  async function disconnect() {
+    if (state.pc) { state.pc.close(); state.pc = null; }
+    if (state.mic) { state.mic.getTracks().forEach((t) => t.stop()); state.mic = null; }
+    clearInterval(state.timer);
+    clearInterval(state.syncTimer);
+    if (state.ctx) { await state.ctx.close(); state.ctx = null; }
+    state.pending.clear();
+    status("stopped");
+  }
+
+  window.talkloop = { connect, disconnect, state };
+})();

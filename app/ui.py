@@ -1,0 +1,139 @@
+"""The page: the character, the transcript, the preset picker, start/stop, the latency
+panel beside the engine's health, and the recorded sessions with their latency panels."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import gradio as gr
+
+from app.controller import Controller
+from app.latency import render_panel
+from app.recorder import find_recording, list_recordings
+from engine.character import PRESETS
+
+STAGE_HTML = """
+<div id="tl-stage">
+  <video id="tl-video" autoplay playsinline></video>
+  <div id="tl-status">press Start and talk</div>
+</div>
+"""
+HEAD = '<link rel="stylesheet" href="/talkloop/static/talkloop.css"><script src="/talkloop/static/talkloop.js"></script>'
+
+
+def _messages(lines) -> list[dict[str, str]]:
+    out = []
+    for line in lines:
+        if not line.text:
+            continue
+        role = "assistant" if line.role in ("assistant", "error") else "user"
+        text = line.text if line.role != "error" else f"⚠ {line.text}"
+        out.append({"role": role, "content": text if line.final or line.role != "user" else f"{text} …"})
+    return out
+
+
+def _health_html(health: dict[str, Any]) -> str:
+    rows = "".join(f'<tr><th>{html.escape(k.replace("_", " "))}</th><td data-health="{k}">{html.escape(str(v))}</td></tr>'
+                   for k, v in health.items())
+    return f'<table id="tl-health" class="tl-table">{rows}</table>'
+
+
+def _failures_html(failures: list[str]) -> str:
+    return "".join(f'<p class="tl-failure">{html.escape(f)}</p>' for f in failures)
+
+
+def build_ui(controller: Controller) -> gr.Blocks:
+    config = controller.config
+
+    def refresh():
+        shown = controller.shown()
+        failures = controller.failures()
+        failed = bool(shown is not None and shown.failure)
+        return (_messages(shown.transcript if shown else []), render_panel(shown.turn_records() if shown else []),
+                _health_html(controller.health()), _failures_html(failures), gr.update(visible=failed))
+
+    def start(preset: str, record: bool) -> str:
+        try:
+            live = controller.start(preset, record)
+        except Exception as e:
+            controller.client_error = f"could not start: {e}"
+            return f"could not start: {e}"
+        return f"session {live.session_id} on {preset}" + (f", recording to {live.recorder.folder}" if live.recorder else "")
+
+    def stop() -> str:
+        stats = controller.stop()
+        return "stopped" if stats is None else f"stopped: {stats.get('fps', 0):.1f} fps over {stats.get('seconds', 0):.0f} s"
+
+    def restart(preset: str, record: bool) -> str:
+        try:
+            live = controller.restart(preset, record)
+        except Exception as e:
+            controller.engine_error = f"restart failed: {e}"
+            return f"restart failed: {e}"
+        return f"restarted: session {live.session_id}"
+
+    def switch(preset: str, record: bool) -> str:
+        """A new preset while live: a new session on it (the browser reconnects)."""
+        if controller.live is None:
+            return f"next session: {preset}"
+        return start(preset, record)
+
+    def recordings_choices():
+        return gr.update(choices=[(r.label, r.folder.name) for r in list_recordings(config.recordings_dir)])
+
+    def replay(name: str | None):
+        if not name:
+            return None, "", []
+        rec = find_recording(config.recordings_dir, name)
+        lines = [{"role": "assistant" if row.get("role") == "assistant" else "user", "content": row.get("text", "")}
+                 for row in rec.transcript()]
+        return str(rec.video), render_panel(rec.trace()), lines
+
+    # System fonts: the default theme would fetch web fonts, and the app reaches no one outside.
+    theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
+    with gr.Blocks(title="talkloop", analytics_enabled=False, head=HEAD, theme=theme) as demo:
+        gr.Markdown("# talkloop: talk to the character")
+        with gr.Tab("Live"):
+            with gr.Row():
+                with gr.Column(scale=3):
+                    gr.HTML(STAGE_HTML)
+                    with gr.Row():
+                        preset = gr.Dropdown(choices=list(PRESETS), value=config.preset, label="character", elem_id="tl-preset")
+                        record = gr.Checkbox(value=config.record, label="record this session", elem_id="tl-record")
+                    with gr.Row():
+                        start_btn = gr.Button("Start", variant="primary", elem_id="tl-start")
+                        stop_btn = gr.Button("Stop", elem_id="tl-stop")
+                        restart_btn = gr.Button("Restart engine", variant="stop", visible=False, elem_id="tl-restart")
+                    session_text = gr.Markdown(elem_id="tl-session")
+                    failures = gr.HTML(elem_id="tl-failures")
+                with gr.Column(scale=2):
+                    transcript = gr.Chatbot(type="messages", label="conversation", elem_id="tl-transcript", height=420)
+            with gr.Row():
+                with gr.Column(scale=3):
+                    gr.Markdown("### Latency per turn")
+                    latency = gr.HTML(render_panel([]), elem_id="tl-latency-panel")
+                with gr.Column(scale=1):
+                    gr.Markdown("### Engine health")
+                    health = gr.HTML(elem_id="tl-health-panel")
+        with gr.Tab("Recordings"):
+            with gr.Row():
+                choice = gr.Dropdown(label="recorded session", choices=[], elem_id="tl-recordings")
+                refresh_btn = gr.Button("Refresh list", elem_id="tl-recordings-refresh")
+            with gr.Row():
+                video = gr.Video(label="session", elem_id="tl-replay-video")
+                replay_transcript = gr.Chatbot(type="messages", label="transcript", elem_id="tl-replay-transcript")
+            replay_latency = gr.HTML(elem_id="tl-replay-latency")
+
+        timer = gr.Timer(0.5)
+        timer.tick(refresh, outputs=[transcript, latency, health, failures, restart_btn], show_progress="hidden")
+        start_btn.click(start, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
+        # js runs first: the browser hangs up, then the server ends the session.
+        stop_btn.click(stop, outputs=[session_text], js="async () => { await window.talkloop.disconnect(); return []; }")
+        restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
+        preset.change(switch, inputs=[preset, record], outputs=[session_text]).then(
+            None, js="() => window.talkloop.state.pc ? window.talkloop.connect() : null")
+        refresh_btn.click(recordings_choices, outputs=[choice])
+        choice.change(replay, inputs=[choice], outputs=[video, replay_latency, replay_transcript])
+        demo.load(recordings_choices, outputs=[choice])
+    return demo

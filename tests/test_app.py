@@ -1,0 +1,202 @@
+"""The app without a browser: settings, the latency panel, recording, failures shown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from app.config import AppConfig, build_config, load_yaml
+from app.latency import STAGES, render_panel, session_summary, turn_stages
+from app.recorder import SessionRecorder, find_recording, list_recordings
+
+
+# Settings ------------------------------------------------------------------------------------------
+def test_yaml_then_flags_override_defaults(tmp_path):
+    path = tmp_path / "talkloop.yaml"
+    path.write_text("spec: tiny\npreset: kofi\nmin-silence-ms: 500\nrecord: true\nport: 9000\n")
+    config = build_config(path, {"port": 9001, "preset": None})
+    assert (config.spec, config.preset, config.min_silence_ms, config.record) == ("tiny", "kofi", 500, True)
+    assert config.port == 9001  # a flag given beats the file; a flag not given (None) does not
+    assert AppConfig().host == "127.0.0.1" and AppConfig().spec == "demo"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("spek: tiny\n", "unknown setting 'spek'"),
+    ("port: seven\n", "'port' must be int"),
+    ("record: yes please\n", "'record' must be true or false"),
+    ("- just\n- a list\n", "must hold a mapping"),
+    ("preset: nobody\n", "unknown preset 'nobody'"),
+    ("spec: huge\n", "unknown spec 'huge'"),
+    ("prebuffer: 9\nmax_lead: 7\n", "prebuffer <= max_lead"),
+])
+def test_bad_settings_are_named(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        build_config(path)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="config file not found"):
+        load_yaml(tmp_path / "nope.yaml")
+
+
+def test_cli_rejects_bad_input_with_a_clear_message(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "app", "--config", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "config file not found" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "app", "--preset", "nobody"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown preset 'nobody'" in out.stderr
+
+
+# Latency panel -------------------------------------------------------------------------------------
+def _record(turn_id: int, base: float, gaps: list[float], text: str = "hello") -> dict:
+    names = ["last_voiced_audio", "speech_end", "asr_done", "reply_first_text", "tts_first_audio",
+             "first_speaking_frame", "client_delivered"]
+    stamps, t = {}, base
+    for name, gap in zip(names, [0.0, *gaps]):
+        t += gap
+        stamps[name] = t
+    return {"turn_id": turn_id, "user_text": text, "stamps": stamps}
+
+
+def test_stages_add_up_and_summarise():
+    records = [_record(1, 100.0, [0.3, 0.4, 0.01, 0.1, 0.2, 0.05]),
+               _record(2, 200.0, [0.3, 0.6, 0.01, 0.1, 0.3, 0.07]),
+               _record(3, 300.0, [0.3, 0.5, 0.01, 0.1, 0.25, 0.06]),
+               {"turn_id": 4, "stamps": {"speech_start": 1.0, "speech_end": 2.0}}]  # ignored noise: no reply
+    stages = turn_stages(records[0])
+    assert stages["asr"] == pytest.approx(0.4) and stages["delivered"] == pytest.approx(0.05)
+    assert sum(stages[k] for k, *_ in STAGES) == pytest.approx(stages["total"])
+    summary = session_summary(records)
+    assert summary["total"]["n"] == 3
+    assert summary["asr"]["median"] == pytest.approx(0.5) and summary["asr"]["p95"] == pytest.approx(0.6)
+    html = render_panel(records)
+    assert html.count('class="tl-turn"') == 3 and 'data-stat="median"' in html and 'data-stat="p95"' in html
+    assert html.count('class="tl-bar-row"') == 3
+    assert '<td data-stage="asr">400</td>' in html
+
+
+def test_a_turn_still_in_flight_shows_its_missing_stages_as_dashes():
+    record = _record(1, 10.0, [0.3, 0.4, 0.01, 0.1])  # no frame released yet
+    html = render_panel([record])
+    assert '<td data-stage="speaking_frame">–</td>' in html and '<td data-stage="total">–</td>' in html
+
+
+# Recording -----------------------------------------------------------------------------------------
+def test_recording_survives_and_lists(tmp_path):
+    rec = SessionRecorder(tmp_path, "abc", fps=24, size=(32, 32), meta={"preset": "mika"})
+    for i in range(48):
+        rec.write_frame(np.full((32, 32, 3), i * 5, np.uint8), np.zeros(667 if i % 3 else 666, np.float32))
+    rec.add_line("user", 1, "hi there")
+    rec.add_line("assistant", 1, "hello")
+    with open(rec.trace_path, "a") as f:
+        f.write(json.dumps({"session_id": "abc", "turn_id": 1, "stamps": {"speech_end": 1.0}}) + "\n")
+    # Before close (as after a crash) the transcript and trace are already on disk.
+    found = list_recordings(tmp_path)
+    assert len(found) == 1 and [line["text"] for line in found[0].transcript()] == ["hi there", "hello"]
+    rec.close({"fps": 24.0})
+    rec2 = find_recording(tmp_path, found[0].folder.name)
+    assert rec2.meta["preset"] == "mika" and rec2.meta["engine"]["fps"] == 24.0
+    assert rec2.trace()[0]["turn_id"] == 1 and "mika" in rec2.label
+    with pytest.raises(ValueError, match="no recorded session named 'nope'"):
+        find_recording(tmp_path, "nope")
+
+
+# Failures are shown --------------------------------------------------------------------------------
+def _config(tmp_path, **changes) -> AppConfig:
+    return build_config(None, dict(spec="tiny", device="cpu", recordings_dir=str(tmp_path / "rec"),
+                                   session_log=str(tmp_path / "sessions.jsonl"), **changes))
+
+
+def test_missing_voice_models_are_shown_and_the_engine_still_runs(tmp_path):
+    from app.controller import Controller
+
+    controller = Controller(_config(tmp_path, asr_model=str(tmp_path / "no-such-model")))
+    try:
+        assert any("speech recognition model missing" in f and "no-such-model" in f for f in controller.failures())
+        live = controller.start("sol")
+        deadline = time.monotonic() + 20
+        while live.character.playout.stats.released < 10 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live.character.playout.stats.released >= 10 and live.voice is None
+    finally:
+        controller.close()
+
+
+def test_local_microphone_without_a_sound_device_is_a_message_not_a_crash(tmp_path):
+    from app.controller import Controller
+
+    controller = Controller(_config(tmp_path, audio_input="local"))
+    try:
+        controller.start()
+        if controller.local_mic is not None:
+            pytest.skip("this machine has a working input device")
+        assert any("local microphone unavailable" in f for f in controller.failures())
+        assert controller.live is not None
+    finally:
+        controller.close()
+
+
+def test_engine_worker_death_is_shown_the_log_kept_and_restart_works(tmp_path):
+    from app.controller import Controller
+
+    controller = Controller(_config(tmp_path, tp=1, record=True))
+    try:
+        live = controller.start("kofi")
+        deadline = time.monotonic() + 60
+        while live.character.playout.stats.released < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live.character.playout.stats.released >= 8
+        live.engine.inject_failure(0)
+        assert live.closed.wait(60)  # the failed session closes itself
+        assert controller.live is None and controller.health()["state"] == "failed"
+        assert any("engine stopped" in f and "died" in f for f in controller.failures())
+        logged = [json.loads(line) for line in (tmp_path / "sessions.jsonl").read_text().splitlines()]
+        assert len(logged) == 1 and logged[0]["steps"] >= 2
+        assert list_recordings(tmp_path / "rec")[0].meta["ended"] > 0  # the recording was closed, not lost
+
+        again = controller.restart()
+        assert again.preset == "kofi" and controller.failures() == []
+        deadline = time.monotonic() + 60
+        while again.character.playout.stats.released < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert again.character.playout.stats.released >= 8
+    finally:
+        controller.close()
+
+
+def test_the_app_serves_and_shuts_down_cleanly_on_interrupt(tmp_path):
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--spec", "tiny", "--device", "cpu", "--port", str(port),
+                             "--recordings-dir", str(tmp_path / "rec")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, body = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/talkloop/client-config", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert json.loads(body) == {"audio_input": "browser"}
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read().decode()
+        assert "talkloop" in page
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert f"talkloop: http://127.0.0.1:{port}" in err

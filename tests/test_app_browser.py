@@ -1,0 +1,176 @@
+"""End to end: Debian's chromium (Playwright) talks to the running app through a WAV file as
+its microphone. The real engine (tiny spec, for 2 CPU cores) and the real voice loop answer;
+one full turn must reach the transcript, the video must advance, the latency panel must get a
+row with every stage, and the recorded session's MP4 must carry both streams in step."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("playwright")
+if shutil.which("chromium") is None:
+    pytest.skip("Debian's chromium is not installed (.ci/run installs it)", allow_module_level=True)
+
+from playwright.sync_api import sync_playwright  # noqa: E402
+
+from app.browser import conversation_wav, launch_chromium, start_server, stop_server  # noqa: E402
+from app.config import build_config  # noqa: E402
+from app.controller import Controller  # noqa: E402
+from app.latency import STAGES  # noqa: E402
+from app.probe import probe_streams  # noqa: E402
+from app.recorder import list_recordings  # noqa: E402
+from voice.samples import sample_speech  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("app")
+    config = build_config(None, dict(spec="tiny", device="cpu", port=free_port(), record=True,
+                                     recordings_dir=str(tmp / "recordings"), session_log=str(tmp / "sessions.jsonl")))
+    controller = Controller(config)
+    assert controller.failures() == []
+    server, thread = start_server(controller)
+    yield controller, tmp
+    controller.close()
+    stop_server(server, thread)
+
+
+def test_one_turn_in_the_browser(app):
+    controller, tmp = app
+    wav = conversation_wav(tmp / "question.wav", [sample_speech("What is your name?")], gap_s=12.0)
+    url = f"http://127.0.0.1:{controller.config.port}/"
+    with sync_playwright() as p:
+        browser = launch_chromium(p, wav)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        page.goto(url)
+        page.click("#tl-start")
+        wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > 24, 60, "the video to play")
+
+        # The transcript shows what was said and the character's answer.
+        transcript = page.locator("#tl-transcript")
+        wait_for(lambda: re.search(r"name", transcript.inner_text(), re.I), 60, "the user's words in the transcript")
+        wait_for(lambda: "Ada" in transcript.inner_text(), 60, "the character's reply in the transcript")
+
+        # The latency panel gets a row with every stage, the browser's delivery included.
+        row = page.locator("#tl-latency tr.tl-turn").first
+        wait_for(lambda: row.count() and all(
+            re.fullmatch(r"-?\d+", row.locator(f'td[data-stage="{key}"]').inner_text().strip())
+            for key, *_ in STAGES), 60, "a latency row with every stage")
+        stages = {key: int(row.locator(f'td[data-stage="{key}"]').inner_text()) for key, *_ in (*STAGES, ("total",))}
+        assert all(v >= 0 for v in stages.values()), stages
+        assert sum(stages[k] for k, *_ in STAGES) == pytest.approx(stages["total"], abs=len(STAGES))
+
+        # The video element keeps advancing.
+        before = page.evaluate("() => document.getElementById('tl-video').currentTime")
+        time.sleep(1.0)
+        after = page.evaluate("() => document.getElementById('tl-video').currentTime")
+        assert after - before > 0.5, (before, after)
+
+        # Picture and voice are scheduled together: the browser's playout estimates agree within a few frames.
+        wait_for(lambda: len(controller.live.av_offsets_ms) >= 3, 30, "the browser's audio/video sync reports")
+        assert abs(controller.health()["av_offset_ms"]) <= 125, list(controller.live.av_offsets_ms)
+
+        shot = Path(os.environ.get("TALKLOOP_SCREENSHOT", tmp / "app.png"))
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        page.click("#tl-stop")
+        wait_for(lambda: controller.live is None, 30, "the session to stop")
+        browser.close()
+
+    # The turn's trace has every stamp, delivery measured by the browser after the frame's release.
+    live = controller.last
+    record = next(r for r in live.turn_records() if "client_delivered" in r["stamps"])
+    stamps = record["stamps"]
+    assert stamps["last_voiced_audio"] < stamps["speech_end"] <= stamps["asr_done"] <= stamps["reply_first_text"]
+    assert stamps["tts_first_audio"] < stamps["first_speaking_frame"] < stamps["client_delivered"]
+
+    # The recording: an MP4 with H.264 and AAC of the same length, its trace and its transcript.
+    recordings = list_recordings(controller.config.recordings_dir)
+    assert len(recordings) == 1
+    rec = recordings[0]
+    assert rec.folder.name.endswith(live.session_id)
+    streams = probe_streams(rec.video)
+    assert streams["video"]["codec"] == "h264" and streams["audio"]["codec"] == "aac"
+    assert streams["video"]["decoded_duration"] > 2.0
+    assert abs(streams["video"]["duration"] - streams["audio"]["duration"]) <= 0.1, streams
+    assert abs(streams["video"]["decoded_duration"] - streams["audio"]["decoded_duration"]) <= 0.1, streams
+    assert any("client_delivered" in r["stamps"] for r in rec.trace())
+    roles = [line["role"] for line in rec.transcript()]
+    assert "user" in roles and "assistant" in roles
+
+
+def test_switching_the_preset_while_live_starts_a_session_on_it(app):
+    controller, tmp = app
+    with sync_playwright() as p:
+        browser = launch_chromium(p, conversation_wav(tmp / "quiet.wav", [np.zeros(1600, np.float32)], gap_s=1.0))
+        page = browser.new_page()
+        page.goto(f"http://127.0.0.1:{controller.config.port}/")
+        page.click("#tl-start")
+        wait_for(lambda: controller.live is not None and controller.live.preset == "ada", 30, "a live session on ada")
+        first = controller.live
+        page.locator("#tl-preset input").click()
+        page.get_by_role("option", name="mika").click()
+        wait_for(lambda: controller.live is not None and controller.live.preset == "mika", 30, "a live session on mika")
+        assert controller.live is not first and first.stats is not None  # the old session was stopped
+        shown = page.evaluate("() => window.talkloop.state.framesShown")
+        wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > shown + 24, 30, "mika's video")
+        page.click("#tl-stop")
+        wait_for(lambda: controller.live is None, 30, "the session to stop")
+        browser.close()
+
+
+def test_recorded_session_replays_with_its_latency_panel(app):
+    controller, _ = app
+    talked = [r for r in list_recordings(controller.config.recordings_dir) if r.trace()]
+    if not talked:
+        pytest.skip("needs the recording of test_one_turn_in_the_browser")
+    with sync_playwright() as p:
+        browser = launch_chromium(p, None)
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        page.goto(f"http://127.0.0.1:{controller.config.port}/")
+        page.get_by_role("tab", name="Recordings").click()
+        page.click("#tl-recordings-refresh")
+        page.locator("#tl-recordings input").click()
+        page.get_by_role("option", name=talked[0].label).click()
+        wait_for(lambda: page.locator("#tl-replay-latency tr.tl-turn").count() >= 1, 30, "the replayed latency panel")
+        wait_for(lambda: page.locator("#tl-replay-video video").count() == 1, 30, "the replayed video")
+        assert "Ada" in page.locator("#tl-replay-transcript").inner_text()
+        browser.close()
+
+
+def test_a_denied_microphone_is_shown(app):
+    controller, _ = app
+    with sync_playwright() as p:
+        browser = launch_chromium(p, None, deny_microphone=True)
+        page = browser.new_page()
+        page.goto(f"http://127.0.0.1:{controller.config.port}/")
+        page.click("#tl-start")
+        wait_for(lambda: "denied" in page.locator("#tl-status").inner_text(), 30, "the page to say the microphone was denied")
+        wait_for(lambda: "denied" in page.locator("#tl-failures").inner_text(), 30, "the failure panel to show it")
+        assert any("Microphone access was denied" in f for f in controller.failures())
+        page.click("#tl-stop")
+        browser.close()
