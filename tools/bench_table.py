@@ -34,6 +34,9 @@ def train_summary(path: Path) -> dict | None:
             "dit_loss": [r["loss"] for r in rows if r["phase"] == "dit" and "loss" in r][-1]}
 
 
+LIPSYNC_MACHINES = {"h200": "one H200 (cuda)", "cpu": "2-core CPU"}
+
+
 def demo_character(gpu: str) -> list[str]:
     out: list[str] = []
     train = train_summary(RESULTS / "train_demo_h200.jsonl")
@@ -60,10 +63,10 @@ def demo_character(gpu: str) -> list[str]:
                 "mouth against shuffled audio. Audio: `python tools/eval_speech.py data/eval.wav` (held-out piper speech).", "",
                 "Command: `python -m engine.quality lipsync --spec demo --audio data/eval.wav --device DEVICE --json` "
                 "(results: `docs/results/lipsync_demo_*.json`)", "",
-                "| device | seconds | generated score | ceiling | floor | generated / ceiling | steps/s (real time: 6) |",
+                "| machine | seconds | generated score | ceiling | floor | generated / ceiling | steps/s (real time: 6) |",
                 "|---|---|---|---|---|---|---|"]
         for name, r in rows:
-            out.append(f"| {r['device']} ({name}) | {r['seconds']:.1f} | {r['generated']['score']:.3f} | {r['ceiling']['score']:.3f} | "
+            out.append(f"| {LIPSYNC_MACHINES[name]} | {r['seconds']:.1f} | {r['generated']['score']:.3f} | {r['ceiling']['score']:.3f} | "
                        f"{r['floor']['score']:.3f} | {r['ratio_to_ceiling']:.0%} | {r['steps_per_second']:.1f} |")
         out.append("")
     long = load("long_session_demo_h200.json")
