@@ -157,7 +157,7 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
             for block in model.blocks:
                 block.combine = OverlappedCombine(block, job.spec.frame_tokens)
         model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        session = EngineSession(model, seed=job.seed, **job.session)
+        session = EngineSession(model, **{"seed": job.seed, **job.session})  # a session seed overrides the weights' seed
         sent: deque[torch.Tensor] = deque(maxlen=16)
         outbox.put(("ready", rank, None))
         while True:
