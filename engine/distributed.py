@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -295,6 +296,17 @@ class DistributedEngine:
         payload = self._ready.pop(index)
         self.timings.append({"step_ms": payload["step_ms"], "decode_ms": payload["decode_ms"], "delivered": time.monotonic()})
         return index, payload["frames"]
+
+    def pids(self) -> dict[str, int]:
+        """Process name -> pid of every engine process (memory figures, fault injection)."""
+        return {p.name: p.pid for p in self._procs if p.pid is not None}
+
+    def kill_process(self, name: str) -> None:
+        """SIGKILL one engine process by name, e.g. 'talkloop-decoder-0' (fault injection: a crash, no goodbye)."""
+        pids = self.pids()
+        if name not in pids:
+            raise ValueError(f"no engine process named {name!r}; have {', '.join(pids)}")
+        os.kill(pids[name], signal.SIGKILL)
 
     def inject_failure(self, rank: int) -> None:
         """Make a diffusion rank exit abruptly (fault-injection tests)."""

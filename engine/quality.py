@@ -309,12 +309,13 @@ class EngineConfig:
     cuda_graph: bool = False
     tp: int = 1  # tensor-parallel degree: processes (gloo on CPU, one GPU each on CUDA)
     fused_allreduce: bool = False  # MLP-out GEMM with its all-reduce overlapped (tp >= 2)
+    processes: bool = False  # diffusion and decoding in their own processes (always so at tp >= 2)
     reset_every: int | None = None  # steps between position resets (None: the spec's)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
 
     def describe(self) -> str:
         kv = self.kv_dtype if self.cache == "ring" else "float"
-        extra = [f"tp={self.tp}"] if self.tp > 1 else []
+        extra = [f"tp={self.tp}"] if self.tp > 1 else (["processes"] if self.processes else [])
         extra += ["fused_allreduce"] if self.fused_allreduce else []
         extra += ["cuda_graph"] if self.cuda_graph else []
         extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
@@ -435,8 +436,8 @@ def check_config(config: EngineConfig, spec=None) -> None:
                   file=sys.stderr)
     if c.tp < 1:
         raise ValueError(f"config {c.name}: tp must be >= 1, got {c.tp}")
-    if c.tp > 1 and c.gemm == "fp8":
-        raise ValueError(f"config {c.name}: gemm=fp8 runs in one process only (tp=1)")
+    if (c.tp > 1 or c.processes) and c.gemm == "fp8":
+        raise ValueError(f"config {c.name}: gemm=fp8 runs in one process only (tp=1, processes=false)")
     if c.fused_allreduce and c.tp < 2:
         raise ValueError(f"config {c.name}: fused_allreduce needs tp >= 2")
     if c.tp > 1 and on_cuda and torch.cuda.device_count() < c.tp:
@@ -469,7 +470,7 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     session_kwargs = dict(cache=config.cache, kv_dtype=config.kv_dtype, backend=config.backend,
                           reset_every=config.reset_every, cuda_graph=config.cuda_graph)
-    if config.tp > 1:
+    if config.tp > 1 or config.processes:
         from engine.distributed import DistributedEngine, Placement
 
         placement = (Placement(tuple(range(config.tp)), ()) if device.type == "cuda" else Placement(cpu_ranks=config.tp))
