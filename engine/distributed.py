@@ -260,6 +260,10 @@ class DistributedEngine:
                     self.close()
                     raise RuntimeError(f"no answer from the engine processes in {timeout:.0f} s") from None
                 continue
+            except (OSError, EOFError) as e:  # a process died while its tensor was being handed over
+                self._check_alive()
+                self.close()
+                raise RuntimeError(f"lost a message from the engine processes ({e}); start a new engine to continue") from e
             if item[0] == "error":
                 self.close()
                 raise RuntimeError(f"{item[1]} failed:\n{item[2]}")

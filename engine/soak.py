@@ -13,9 +13,10 @@ MP4 (`--record`) and every second, turn, fault and error to a JSON-lines trace
 (`--trace`), flushed line by line: what was written survives any failure.
 
 Faults (`--fault KIND@SECONDS[:ARG]`, see engine/faults.py) are injected on schedule;
-the report says for each when it took effect and what followed. Exit status: 0 when
-the session ran its time, 1 when an engine failure ended it (cleanly: recording closed,
-trace ended, report printed), 2 for bad arguments.
+the report says for each when it took effect and what followed. An engine failure ends
+the session cleanly (recording closed, trace ended, report printed), or with `--restarts N`
+a new engine takes over, up to N times. Exit status: 0 when the session ran its time,
+1 when a failure ended it, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -105,9 +106,45 @@ class MemoryWatch:
         return out
 
 
+class LiveCharacter:
+    """The character now playing, and the totals of those before it (an engine that failed and was restarted)."""
+
+    def __init__(self, open_character, fps: int, step_faults: StepFaults, step_times: list[float]):
+        self.open_character, self.fps, self.step_faults, self.step_times = open_character, fps, step_faults, step_times
+        self.released_before = self.underruns_before = 0
+        self.character = None
+
+    def start(self) -> None:
+        self.playout = PlayoutBuffer(fps=self.fps)
+        self.character, self.trained, self.close = self.open_character(self.playout)
+        self.character.on_step = lambda step, s: self.step_times.append(s)
+        self.character.before_step = self.step_faults
+        self.step_faults.step_seconds = self.character.step_seconds
+        self.memory = MemoryWatch(self.character)
+        self.character.start()
+
+    def stop(self) -> None:
+        if self.character is not None:
+            self.character.stop()
+            self.close()
+            self.released_before += self.playout.stats.released
+            self.underruns_before += self.playout.stats.underruns
+            self.character = None
+
+    @property
+    def released(self) -> int:
+        return self.released_before + (self.playout.stats.released if self.character is not None else 0)
+
+    @property
+    def underruns(self) -> int:
+        return self.underruns_before + (self.playout.stats.underruns if self.character is not None else 0)
+
+
 def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: float = 3.0, record: str | None = None,
          trace_path: str | None = None, faults: list[Fault] | None = None, seed: int = 0, weights: str | None = None,
-         look: str = "ada", source: str | None = None, progress=None) -> dict:
+         look: str = "ada", source: str | None = None, restarts: int = 0, progress=None) -> dict:
+    """The session for `seconds`; an engine failure ends it cleanly, or, up to `restarts` times, a new
+    engine takes over (turns go on; the gap shows as underruns and seconds below 24 fps)."""
     from engine.media import Mp4Writer
     from engine.quality import default_audio_source, open_character, speech_clip
 
@@ -116,57 +153,74 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
         raise ValueError(f"--seconds must be positive, got {seconds:g}")
     if speech_s <= 0 or silence_s < 0:
         raise ValueError(f"--speech must be > 0 and --silence >= 0, got {speech_s:g} and {silence_s:g}")
+    if restarts < 0:
+        raise ValueError(f"--restarts must be >= 0, got {restarts}")
     if any(f.kind in KILLS for f in faults) and config.tp < 2 and not config.processes:
         raise ValueError("kill faults need the engine's own processes: use a config with processes=true or tp >= 2")
     source = source or default_audio_source()
     turns = [speech_clip(seed + i, speech_s, source) for i in range(4)]  # cycled
-    playout = PlayoutBuffer(fps=spec.fps)
-    character, trained, close = open_character(config, spec, look, noise_seed=seed, weights=weights, playout=playout)
-    fps, period = spec.fps, 1.0 / spec.fps
+
+    def opener(playout):
+        return open_character(config, spec, look, noise_seed=seed, weights=weights, playout=playout)
+
     step_times: list[float] = []
-    character.on_step = lambda step, s: step_times.append(s)
-    step_faults = StepFaults(character.step_seconds)
-    character.before_step = step_faults
-    memory = MemoryWatch(character)
+    step_faults = StepFaults([])
+    live = LiveCharacter(opener, spec.fps, step_faults, step_times)
+    live.start()
+    fps, period = spec.fps, 1.0 / spec.fps
     writer = Mp4Writer(record, fps, spec.image_size) if record else None
     t0 = time.monotonic()
     step_faults.clock_zero = t0
     trace = Trace(trace_path, t0)
-    trace.write("start", spec=spec.name, config=config.describe(), trained_weights=trained, seconds=seconds,
-                speech_s=speech_s, silence_s=silence_s, faults=[f.report()["fault"] for f in faults])
+    trace.write("start", spec=spec.name, config=config.describe(), trained_weights=live.trained, seconds=seconds,
+                speech_s=speech_s, silence_s=silence_s, restarts=restarts, faults=[f.report()["fault"] for f in faults])
     samples: list[dict] = []
     per_second: dict[int, int] = {}  # whole second since the first release -> frames released in it
-    first_due: float | None = None
+    first_due = last_due = None
     recorded, turn, next_turn, next_sample, pending = 0, 0, 0.0, 1.0, list(faults)
-    ended, error = "ran its time", None
+    ended, error, failures = "ran its time", None, []
     try:
-        character.start()
         while True:
             now = time.monotonic() - t0
             if now >= seconds:
                 break
-            if now >= next_turn:
-                character.push_audio(turns[turn % len(turns)], SAMPLE_RATE)
-                trace.write("turn", turn=turn, speech_s=speech_s)
-                turn += 1
-                next_turn += speech_s + silence_s
-            while pending and now >= pending[0].at:
-                _inject(pending.pop(0), character, step_faults, trace, now)
-            batch = playout.get(timeout=0.1)
-            if character.error is not None:
-                raise RuntimeError(f"engine failed: {character.error}") from character.error
+            try:
+                if now >= next_turn:
+                    live.character.push_audio(turns[turn % len(turns)], SAMPLE_RATE)
+                    trace.write("turn", turn=turn, speech_s=speech_s)
+                    turn += 1
+                    next_turn += speech_s + silence_s
+                while pending and now >= pending[0].at:
+                    _inject(pending.pop(0), live, step_faults, trace, now)
+                batch = live.playout.get(timeout=0.1)
+                if live.character.error is not None:
+                    raise RuntimeError(f"engine failed: {live.character.error}") from live.character.error
+            except (RuntimeError, ValueError, OSError) as e:
+                failures.append({"at_s": round(now, 3), "error": str(e).splitlines()[0]})
+                trace.write("error", error=str(e))
+                if len(failures) > restarts:
+                    raise
+                live.stop()
+                live.start()  # a failure to start again ends the session (outer handler)
+                failures[-1]["restarted_at_s"] = round(time.monotonic() - t0, 3)
+                trace.write("restart", restart=len(failures), **failures[-1])
+                continue
             if batch:
-                last_due = playout.stats.last_release
+                if failures and "frames_again_at_s" not in failures[-1]:
+                    failures[-1]["frames_again_at_s"] = round(time.monotonic() - t0, 3)
+                due_last = live.playout.stats.last_release
                 for i, frame in enumerate(batch):
-                    due = last_due - (len(batch) - 1 - i) * period
+                    due = due_last - (len(batch) - 1 - i) * period
                     first_due = due if first_due is None else first_due
-                    per_second[int(due - first_due + 1e-6)] = per_second.get(int(due - first_due + 1e-6), 0) + 1
+                    last_due = due
+                    second = int(due - first_due + 1e-6)
+                    per_second[second] = per_second.get(second, 0) + 1
                     if writer is not None:
                         writer.write(frame.rgb, frame.pcm)
                     recorded += 1
             if now >= next_sample:
-                row = {"t": round(now, 3), "released": playout.stats.released, "underruns": playout.stats.underruns,
-                       "depth": playout.stats.depth, "steps": len(step_times), **memory.sample()}
+                row = {"t": round(now, 3), "released": live.released, "underruns": live.underruns,
+                       "depth": live.playout.stats.depth, "steps": len(step_times), **live.memory.sample()}
                 samples.append(row)
                 trace.write("second", **row)
                 if progress is not None:
@@ -174,25 +228,29 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
                 next_sample += 1.0
     except (RuntimeError, ValueError, OSError) as e:
         ended, error = "engine failure", str(e).splitlines()[0]
-        trace.write("error", error=str(e))
+        if not failures or failures[-1]["error"] != error:
+            trace.write("error", error=str(e))
     finally:
-        character.stop()
-        close()
+        released, underruns = live.released, live.underruns
+        live.stop()
         if writer is not None:
             writer.close()
     injected = sorted(f.injected_at for f in faults if f.injected_at is not None)
     for f in faults:
         until = next((t for t in injected if f.injected_at is not None and t > f.injected_at), math.inf)
-        _outcome(f, samples, ended, until)
+        _outcome(f, samples, ended, until, failures)
         trace.write("fault_outcome", **f.report())
-    report = _report(spec, config, trained, seconds, time.monotonic() - t0, samples, per_second, step_times,
-                     playout, recorded, faults, ended, error, record, trace_path)
-    trace.write("end", **{k: report[k] for k in ("ended", "error", "frames_recorded", "underruns", "fps")})
+    fps_played = (recorded - 1) / (last_due - first_due) if recorded >= 2 and last_due > first_due else 0.0
+    report = _report(spec, config, live.trained, seconds, time.monotonic() - t0, samples, per_second, step_times,
+                     fps_played, released, underruns, recorded, faults, ended, error, failures, record, trace_path)
+    trace.write("end", **{k: report[k] for k in ("ended", "error", "restarts", "frames_recorded", "underruns", "fps")})
     trace.close()
     return report
 
 
-def _inject(fault: Fault, character, step_faults: StepFaults, trace: Trace, now: float) -> None:
+def _inject(fault: Fault, live: LiveCharacter, step_faults: StepFaults, trace: Trace, now: float) -> None:
+    character = live.character
+    fault.details["underruns_before"], fault.details["released_before"] = live.underruns, live.released
     if fault.kind in KILLS:
         engine = character.steps.engine
         index = int(fault.arg)
@@ -208,17 +266,15 @@ def _inject(fault: Fault, character, step_faults: StepFaults, trace: Trace, now:
             fault.details["refused"] = str(e)
     else:
         step_faults.arm(fault)
-    fault.details["underruns_before"] = character.playout.stats.underruns
-    fault.details["released_before"] = character.playout.stats.released
     trace.write("fault", **fault.report())
 
 
-def _outcome(fault: Fault, samples: list[dict], ended: str, until: float) -> None:
+def _outcome(fault: Fault, samples: list[dict], ended: str, until: float, failures: list[dict]) -> None:
     """What followed, up to the next fault (`until`): underruns, and whether frames kept coming."""
     d = fault.details
     start = fault.injected_at if fault.injected_at is not None else math.inf
     before = [s for s in samples if s["t"] < start]
-    if before:  # step faults are armed before they take effect: count from the last sample before it
+    if before and fault.kind in ("slow-step", "exhaust-buffer"):  # armed before they act: count from the last sample before
         d["underruns_before"], d["released_before"] = before[-1]["underruns"], before[-1]["released"]
     after = [s for s in samples if start <= s["t"] < until]
     d["underruns_after"] = (after[-1]["underruns"] - d.get("underruns_before", 0)) if after else None
@@ -226,7 +282,16 @@ def _outcome(fault: Fault, samples: list[dict], ended: str, until: float) -> Non
     if fault.injected_at is None:
         d["outcome"] = "not injected (the session ended first)"
     elif fault.kind in KILLS:
-        d["outcome"] = "reported; session ended cleanly" if ended == "engine failure" else "not detected"
+        failure = next((f for f in failures if f["at_s"] >= fault.injected_at), None)
+        if failure is None:
+            d["outcome"] = "not detected"
+        elif "frames_again_at_s" in failure:
+            d["detected_after_s"] = round(failure["at_s"] - fault.injected_at, 3)
+            d["frames_again_after_s"] = round(failure["frames_again_at_s"] - fault.injected_at, 3)
+            d["outcome"] = "reported; engine restarted; session went on"
+        else:
+            d["detected_after_s"] = round(failure["at_s"] - fault.injected_at, 3)
+            d["outcome"] = "reported; session ended cleanly"
     elif fault.kind == "corrupt-audio":
         d["outcome"] = "refused; session went on" if d.get("refused") and ended != "engine failure" else "NOT refused"
     else:
@@ -236,17 +301,18 @@ def _outcome(fault: Fault, samples: list[dict], ended: str, until: float) -> Non
             else "no frames after it"
 
 
-def _report(spec, config, trained, seconds, wall, samples, per_second, step_times, playout, recorded, faults, ended,
-            error, record, trace_path) -> dict:
-    full = [per_second[k] for k in sorted(per_second)[:-1]]  # the last second is cut short by the end
+def _report(spec, config, trained, seconds, wall, samples, per_second, step_times, fps, released, underruns, recorded,
+            faults, ended, error, failures, record, trace_path) -> dict:
+    # Seconds with no frame at all (a stalled or restarting engine) count as 0; the last is cut short by the end.
+    full = [per_second.get(k, 0) for k in range(max(per_second))] if per_second else []
     warm = [s for s in samples if s["t"] >= min(10.0, 0.2 * seconds)]  # allocator warm-up left out of the slope
     host = [s["host_mb"] for s in samples]
     gpu = [s["gpu_mb"] for s in samples]
     return {
         "spec": spec.name, "config": config.describe(), "trained_weights": trained, "seconds_asked": seconds,
-        "wall_seconds": wall, "ended": ended, "error": error,
-        "fps": playout.stats.fps(), "frames_released": playout.stats.released, "frames_recorded": recorded,
-        "underruns": playout.stats.underruns, "steps": len(step_times), "step_ms": percentiles_ms(step_times),
+        "wall_seconds": wall, "ended": ended, "error": error, "restarts": sum("restarted_at_s" in f for f in failures),
+        "failures": failures, "fps": fps, "frames_released": released, "frames_recorded": recorded,
+        "underruns": underruns, "steps": len(step_times), "step_ms": percentiles_ms(step_times),
         "whole_seconds": len(full), "seconds_below_24fps": sum(1 for n in full if n < spec.fps),
         "share_of_seconds_below_24fps": (sum(1 for n in full if n < spec.fps) / len(full)) if full else None,
         "memory": {
@@ -276,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record", default=None, help="fragmented MP4 of everything played")
     p.add_argument("--trace", default=None, help="JSON-lines trace: every second, turn, fault and error")
     p.add_argument("--fault", action="append", default=[], help="KIND@SECONDS[:ARG], repeatable (engine/faults.py)")
+    p.add_argument("--restarts", type=int, default=0, help="after an engine failure, start a new engine (this many times)")
     p.add_argument("--weights", default=None)
     p.add_argument("--preset", default="ada", help=f"character, one of {', '.join(ch.PRESETS)}")
     p.add_argument("--seed", type=int, default=0)
@@ -293,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"cannot write {path}: folder {Path(path).parent} does not exist")
         report = soak(spec, config, seconds=args.seconds, speech_s=args.speech, silence_s=args.silence,
                       record=args.record, trace_path=args.trace, faults=faults, seed=args.seed, weights=args.weights,
-                      look=args.preset, source=args.audio_source,
+                      look=args.preset, source=args.audio_source, restarts=args.restarts,
                       progress=lambda row: print(json.dumps(row), file=sys.stderr, flush=True))
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -80,23 +80,38 @@ def test_corrupt_audio_is_refused_and_never_played(in_process_faults):
     assert events[-1]["event"] == "end" and events[-1]["ended"] == "ran its time"
 
 
-@pytest.mark.parametrize("config, fault, process", [
-    ("fp8-cache,processes=true", "kill-decoder@2.5", "talkloop-decoder-0"),
-    ("fp8-cache,tp=2", "kill-rank@2.5:1", "talkloop-diffusion-1"),
-])
-def test_a_killed_engine_process_ends_the_session_cleanly(tmp_path, capsys, config, fault, process):
+def test_a_killed_diffusion_rank_ends_the_session_cleanly(tmp_path, capsys):
     mp4, trace = tmp_path / "k.mp4", tmp_path / "k.jsonl"
-    code = main(["--spec", "tiny", "--config", config, "--seconds", "30", "--speech", "2", "--silence", "1",
-                 "--audio-source", "synth", "--record", str(mp4), "--trace", str(trace), "--fault", fault, "--json"])
+    code = main(["--spec", "tiny", "--config", "fp8-cache,tp=2", "--seconds", "30", "--speech", "2", "--silence", "1",
+                 "--audio-source", "synth", "--record", str(mp4), "--trace", str(trace), "--fault", "kill-rank@2.5:1", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert code == 1 and report["ended"] == "engine failure"
-    assert process in report["error"] and "died" in report["error"]
-    assert report["faults"][0]["process"] == process and report["faults"][0]["outcome"] == "reported; session ended cleanly"
+    assert code == 1 and report["ended"] == "engine failure" and report["restarts"] == 0
+    assert "talkloop-diffusion-1 died" in report["error"]
+    fault = report["faults"][0]
+    assert fault["process"] == "talkloop-diffusion-1" and fault["outcome"] == "reported; session ended cleanly"
     assert report["wall_seconds"] < 30  # it ended on the failure, not at its time
     assert report["frames_recorded"] == mp4_frames(mp4) > 0  # everything played before the failure is in the file
     events = trace_lines(trace)
-    assert [e["event"] for e in events if e["event"] in ("fault", "error")] == ["fault", "error"]
-    assert events[-1]["event"] == "end" and process in events[-1]["error"]
+    assert [e["event"] for e in events if e["event"] in ("fault", "error", "restart")] == ["fault", "error"]
+    assert events[-1]["event"] == "end" and "talkloop-diffusion-1" in events[-1]["error"]
+
+
+def test_a_killed_decoder_is_replaced_by_a_new_engine_and_the_session_goes_on(tmp_path, capsys):
+    mp4, trace = tmp_path / "k.mp4", tmp_path / "k.jsonl"
+    code = main(["--spec", "tiny", "--config", "fp8-cache,processes=true", "--seconds", "12", "--speech", "2",
+                 "--silence", "1", "--audio-source", "synth", "--record", str(mp4), "--trace", str(trace),
+                 "--fault", "kill-decoder@2.5", "--restarts", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["ended"] == "ran its time" and report["restarts"] == 1
+    failure = report["failures"][0]
+    assert "talkloop-decoder-0 died" in failure["error"] and failure["at_s"] < failure["restarted_at_s"] <= failure["frames_again_at_s"]
+    fault = report["faults"][0]
+    assert fault["outcome"] == "reported; engine restarted; session went on" and fault["frames_again_after_s"] > 0
+    assert report["seconds_below_24fps"] >= 1  # the restart's gap is counted, not hidden
+    assert report["frames_recorded"] == mp4_frames(mp4) == report["frames_released"]
+    events = [e["event"] for e in trace_lines(trace)]
+    assert events.index("fault") < events.index("error") < events.index("restart") and events[-1] == "end"
+    assert "second" in events[events.index("restart"):]  # the session was watched after the restart too
 
 
 def test_speech_pushed_while_a_step_is_in_flight_starts_after_it():
@@ -115,3 +130,25 @@ def test_speech_pushed_while_a_step_is_in_flight_starts_after_it():
     assert all(f.speaking for f in frames[4:16])  # the speech starts at the next step's first frame
     with pytest.raises(ValueError, match="NaN"):
         character.push_audio(corrupt_audio(), SAMPLE_RATE)
+
+
+def test_a_message_lost_with_a_dying_process_names_the_process():
+    """A decoder killed while its frames are being unpickled resets the connection: the engine names the dead process."""
+    import multiprocessing
+    import os
+
+    from engine.distributed import DistributedEngine
+
+    class ResetQueue:
+        def get(self, timeout=None):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    dead = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,), name="talkloop-decoder-0")
+    dead.start()
+    dead.join()
+    engine = DistributedEngine.__new__(DistributedEngine)
+    engine._outbox, engine._procs, engine._ranks, engine._decoders = ResetQueue(), [dead], [], [dead]
+    engine._latents, engine._commands, engine.closed = [], [], False
+    with pytest.raises(RuntimeError, match="talkloop-decoder-0 died \\(exit code 3\\)"):
+        engine._get(timeout=5)
+    assert engine.closed
