@@ -499,13 +499,17 @@ def config_frames(config: EngineConfig, spec, pcm: np.ndarray, look: str, *, noi
     """Frames for `pcm` under `config`, streamed: (generator of (first_frame, rgb (4, H, W, 3) uint8), trained)."""
     character, trained, close = open_character(config, spec, look, noise_seed=noise_seed, weights=weights,
                                                weights_seed=weights_seed)
-    character.push_audio(pcm, SAMPLE_RATE)
     steps = math.ceil(math.ceil(pcm.size * spec.fps / SAMPLE_RATE) / spec.frames_per_latent)
+    chunk = 2 * SAMPLE_RATE  # pushed a chunk at a time, a second or more ahead: the timeline stays short in long sessions
 
     def run():
         try:
-            made = 0
+            made, pushed = 0, 0
             while made < steps:
+                ahead = frame_sample(character.steps.next_frame + spec.fps, spec.fps)
+                while pushed < min(ahead, pcm.size):
+                    character.push_audio(pcm[pushed:pushed + chunk], SAMPLE_RATE)
+                    pushed += chunk
                 batch = character.make_step()
                 if batch:  # empty only while a look-ahead step is in flight
                     made += 1

@@ -237,3 +237,15 @@ def test_drift_verdict_names_what_moved():
     assert drift_verdict(report(-0.01, 1.0))["verdict"] == "stable"
     bad = drift_verdict(report(-0.2, 12.0))
     assert bad["verdict"] == "drifting" and len(bad["reasons"]) == 2 and bad["score_slope_per_minute"] == pytest.approx(-0.2)
+
+
+def test_config_frames_push_audio_in_chunks_yet_match_one_push():
+    from engine.quality import config_frames, engine_frames, speech_clip
+
+    spec = get_spec("tiny")
+    pcm = speech_clip(3, 7.0, "synth")  # more than the 2 s chunk, so several pushes
+    gen, _ = config_frames(parse_config("fp8-cache"), spec, pcm, "ada", noise_seed=0)
+    chunked = np.concatenate([rgb for _, rgb in gen])
+    gen, _ = engine_frames(spec, pcm, "ada", seed=0)  # one push, weights and noise both from seed 0
+    whole = np.concatenate([rgb for _, rgb in gen])
+    assert chunked.shape == whole.shape == (168, 32, 32, 3) and np.array_equal(chunked, whole)
