@@ -261,9 +261,12 @@ class DistributedEngine:
                     raise RuntimeError(f"no answer from the engine processes in {timeout:.0f} s") from None
                 continue
             except (OSError, EOFError) as e:  # a process died while its tensor was being handed over
-                self._check_alive()
+                for _ in range(20):  # its sockets close before it can be reaped: give the death a moment to show
+                    self._check_alive()
+                    time.sleep(0.1)
                 self.close()
-                raise RuntimeError(f"lost a message from the engine processes ({e}); start a new engine to continue") from e
+                raise RuntimeError(f"lost a message from the engine processes ({type(e).__name__}: {e}); "
+                                   "start a new engine to continue") from e
             if item[0] == "error":
                 self.close()
                 raise RuntimeError(f"{item[1]} failed:\n{item[2]}")
