@@ -58,6 +58,16 @@ def slope_per_minute(times_s: list[float], values: list[float]) -> float | None:
     return float(np.polyfit(t / 60.0, v, 1)[0])
 
 
+GROWTH_LIMIT_MB_PER_MIN = 1.0  # 10 MB over a 10-minute soak
+
+
+def growth_verdict(slope_mb_per_min: float | None, limit: float = GROWTH_LIMIT_MB_PER_MIN) -> str:
+    """'no growth' while memory's slope stays within `limit` MB a minute; None slope: too few samples."""
+    if slope_mb_per_min is None:
+        return "too short to tell"
+    return "no growth" if slope_mb_per_min <= limit else f"grows {slope_mb_per_min:.2f} MB per minute (limit {limit:g})"
+
+
 def percentiles_ms(seconds: list[float]) -> dict:
     if not seconds:
         return {"p50": None, "p95": None, "p99": None, "max": None}
@@ -308,6 +318,8 @@ def _report(spec, config, trained, seconds, wall, samples, per_second, step_time
     warm = [s for s in samples if s["t"] >= min(10.0, 0.2 * seconds)]  # allocator warm-up left out of the slope
     host = [s["host_mb"] for s in samples]
     gpu = [s["gpu_mb"] for s in samples]
+    host_slope = slope_per_minute([s["t"] for s in warm], [s["host_mb"] for s in warm])
+    gpu_slope = slope_per_minute([s["t"] for s in warm], [s["gpu_mb"] for s in warm])
     return {
         "spec": spec.name, "config": config.describe(), "trained_weights": trained, "seconds_asked": seconds,
         "wall_seconds": wall, "ended": ended, "error": error, "restarts": sum("restarted_at_s" in f for f in failures),
@@ -318,9 +330,9 @@ def _report(spec, config, trained, seconds, wall, samples, per_second, step_time
         "memory": {
             "host_mb_first": next((h for h in host if h is not None), None), "host_mb_last": host[-1] if host else None,
             "host_mb_max": max((h for h in host if h is not None), default=None),
-            "host_mb_per_minute": slope_per_minute([s["t"] for s in warm], [s["host_mb"] for s in warm]),
+            "host_mb_per_minute": host_slope, "host_growth": growth_verdict(host_slope),
             "gpu_mb_first": gpu[0] if gpu else None, "gpu_mb_last": gpu[-1] if gpu else None,
-            "gpu_mb_per_minute": slope_per_minute([s["t"] for s in warm], [s["gpu_mb"] for s in warm]),
+            "gpu_mb_per_minute": gpu_slope, "gpu_growth": growth_verdict(gpu_slope) if any(g is not None for g in gpu) else None,
             "slope_from_s": warm[0]["t"] if warm else None,
         },
         "faults": [f.report() for f in faults], "record": record, "trace": trace_path,

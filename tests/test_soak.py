@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import get_spec
 from engine.quality import parse_config
-from engine.soak import main, slope_per_minute, soak
+from engine.soak import growth_verdict, main, slope_per_minute, soak
 
 TINY = get_spec("tiny")
 
@@ -36,6 +36,7 @@ def test_short_soak_reports_and_records_everything(tmp_path):
     assert 0 <= r["seconds_below_24fps"] <= r["whole_seconds"] and r["whole_seconds"] >= 3
     assert len(r["samples"]) >= 4 and all(s["host_mb"] > 0 for s in r["samples"])
     assert r["memory"]["host_mb_per_minute"] is not None and r["memory"]["gpu_mb_first"] is None
+    assert r["memory"]["host_growth"] == growth_verdict(r["memory"]["host_mb_per_minute"])
     events = trace_lines(trace)
     assert events[0]["event"] == "start" and events[-1]["event"] == "end"
     assert [e["turn"] for e in events if e["event"] == "turn"] == [0, 1]  # turns at 0 s and 3 s
@@ -47,6 +48,8 @@ def test_slope_is_per_minute_and_ignores_missing():
     assert slope_per_minute(t, [100.0, 101.0, 102.0, 103.0]) == pytest.approx(2.0)
     assert slope_per_minute(t, [100.0, None, 100.0, 100.0]) == pytest.approx(0.0)
     assert slope_per_minute(t[:2], [1.0, 2.0]) is None
+    assert growth_verdict(0.3) == "no growth" and growth_verdict(2.5).startswith("grows 2.50 MB per minute")
+    assert growth_verdict(None) == "too short to tell"
 
 
 @pytest.mark.parametrize("args, message", [
