@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -157,7 +158,7 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
             for block in model.blocks:
                 block.combine = OverlappedCombine(block, job.spec.frame_tokens)
         model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        session = EngineSession(model, seed=job.seed, **job.session)
+        session = EngineSession(model, **{"seed": job.seed, **job.session})  # a session seed overrides the weights' seed
         sent: deque[torch.Tensor] = deque(maxlen=16)
         outbox.put(("ready", rank, None))
         while True:
@@ -259,6 +260,13 @@ class DistributedEngine:
                     self.close()
                     raise RuntimeError(f"no answer from the engine processes in {timeout:.0f} s") from None
                 continue
+            except (OSError, EOFError) as e:  # a process died while its tensor was being handed over
+                for _ in range(20):  # its sockets close before it can be reaped: give the death a moment to show
+                    self._check_alive()
+                    time.sleep(0.1)
+                self.close()
+                raise RuntimeError(f"lost a message from the engine processes ({type(e).__name__}: {e}); "
+                                   "start a new engine to continue") from e
             if item[0] == "error":
                 self.close()
                 raise RuntimeError(f"{item[1]} failed:\n{item[2]}")
@@ -295,6 +303,17 @@ class DistributedEngine:
         payload = self._ready.pop(index)
         self.timings.append({"step_ms": payload["step_ms"], "decode_ms": payload["decode_ms"], "delivered": time.monotonic()})
         return index, payload["frames"]
+
+    def pids(self) -> dict[str, int]:
+        """Process name -> pid of every engine process (memory figures, fault injection)."""
+        return {p.name: p.pid for p in self._procs if p.pid is not None}
+
+    def kill_process(self, name: str) -> None:
+        """SIGKILL one engine process by name, e.g. 'talkloop-decoder-0' (fault injection: a crash, no goodbye)."""
+        pids = self.pids()
+        if name not in pids:
+            raise ValueError(f"no engine process named {name!r}; have {', '.join(pids)}")
+        os.kill(pids[name], signal.SIGKILL)
 
     def inject_failure(self, rank: int) -> None:
         """Make a diffusion rank exit abruptly (fault-injection tests)."""

@@ -47,7 +47,9 @@ class Mp4Writer:
 
     def __init__(self, path: str | Path, fps: int, size: tuple[int, int], sample_rate: int = SAMPLE_RATE):
         self.path = Path(path)
-        self.container = av.open(str(self.path), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof"})
+        # flush_packets: each fragment reaches the file when it is muxed, not when FFmpeg's IO buffer fills
+        self.container = av.open(str(self.path), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof",
+                                                                 "flush_packets": "1"})
         h, w = size
         self.video = self.container.add_stream("libx264", rate=fps)
         self.video.width, self.video.height, self.video.pix_fmt = w, h, "yuv420p"

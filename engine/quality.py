@@ -3,6 +3,8 @@
     python -m engine.quality lipsync --spec demo --audio speech.wav --json
     python -m engine.quality lipsync --spec demo --audio speech.wav --minutes 10 --json   # long session
     python -m engine.quality sheet --spec demo --audio speech.wav --presets ada,kofi --out docs/contact.png
+    python -m engine.quality compare --a reference --b fp8-cache --clips 8 --json                # a numerics change
+    python -m engine.quality drift --spec demo --minutes 10 --json                                 # first vs last minute
 
 The mouth opening of each frame is read from the pixels: the character's geometry is
 known (engine.character), so a box that holds the mouth at every head position is
@@ -23,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import struct
 import sys
 import time
 import zlib
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -202,8 +206,10 @@ def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str |
 
 def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ada", *, weights: str | None = None,
                         device: str = "cpu", cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0,
-                        max_offset: int = MAX_OFFSET, progress=None) -> dict:
+                        max_offset: int = MAX_OFFSET, progress=None, config: "EngineConfig | None" = None) -> dict:
     """The clip looped (with 1 s of silence between repeats) for `minutes`; metric and picture per minute.
+
+    With `config`, frames come from that engine configuration (sampling noise from `seed`, weights fixed).
 
     Per minute: the lip-sync scores, mean brightness, sharpness and `ref_diff`, the mean absolute
     difference (0..255) from the reference picture (identity drift shows as a rising value).
@@ -221,7 +227,10 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
     mouth = torch.zeros(n)
     stats: list[list[dict]] = []
     reference = ch.reference_image(preset, spec.image_size).float()
-    gen, trained = engine_frames(spec, looped, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype, seed=seed)
+    if config is not None:
+        gen, trained = config_frames(config, spec, looped, preset, noise_seed=seed, weights=weights)
+    else:
+        gen, trained = engine_frames(spec, looped, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype, seed=seed)
     t0 = time.perf_counter()
     for first, rgb in gen:
         rgb_t = torch.from_numpy(rgb)[: max(0, n - first)]
@@ -250,7 +259,376 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
         "first_vs_last": {k: {"first": first_m[k], "last": last_m[k], "change": last_m[k] - first_m[k]}
                           for k in ("score", "confidence", "brightness", "sharpness", "ref_diff")},
         "ceiling_first_minute": sync_scores(mouth_opening(rendered, preset), env[:n_ceiling], max_offset),
-        "steps_per_second": math.ceil(n / spec.frames_per_latent) / seconds, "device": device,
+        "steps_per_second": math.ceil(n / spec.frames_per_latent) / seconds,
+        "device": str(config_device(config)) if config is not None else device,
+        "config": config.describe() if config is not None else f"cache={cache} kv={kv_dtype}",
+        "position_resets": _resets(spec, math.ceil(n / spec.frames_per_latent), config, cache),
+    }
+
+
+def _resets(spec, steps: int, config, cache: str) -> int:
+    """Position resets the session went through (the ring cache rotates its keys back every `reset_every` steps)."""
+    ring = (config.cache if config is not None else cache) == "ring"
+    every = config.reset_every if config is not None and config.reset_every is not None else spec.reset_every
+    return steps // every if ring and every > 0 else 0
+
+
+DRIFT_LIMITS = {"score_drop": 0.08, "level_change": 8.0, "sharpness_change": 0.25}
+
+
+def drift_verdict(report: dict, limits: dict | None = None) -> dict:
+    """First minute against last: 'stable' unless lip sync fell, or brightness / distance from the
+    reference moved (0..255 levels), or sharpness changed (relative), by more than the limits."""
+    lim = {**DRIFT_LIMITS, **(limits or {})}
+    fl = report["first_vs_last"]
+    reasons = []
+    if -fl["score"]["change"] > lim["score_drop"]:
+        reasons.append(f"lip-sync score fell by {-fl['score']['change']:.3f} (limit {lim['score_drop']})")
+    for key in ("brightness", "ref_diff"):
+        if abs(fl[key]["change"]) > lim["level_change"]:
+            reasons.append(f"{key} moved by {fl[key]['change']:+.2f} levels (limit {lim['level_change']})")
+    first_sharp = max(abs(fl["sharpness"]["first"]), 1e-6)
+    if abs(fl["sharpness"]["change"]) / first_sharp > lim["sharpness_change"]:
+        reasons.append(f"sharpness changed by {fl['sharpness']['change'] / first_sharp:+.0%} (limit {lim['sharpness_change']:.0%})")
+    rows = report["per_minute"]
+    slope = float(np.polyfit([r["minute"] for r in rows], [r["score"] for r in rows], 1)[0]) if len(rows) >= 2 else 0.0
+    return {"verdict": "drifting" if reasons else "stable", "reasons": reasons, "limits": lim,
+            "score_slope_per_minute": slope, "minutes_compared": [rows[0]["minute"], rows[-1]["minute"]]}
+
+
+# Engine configurations ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings a clip is made under: a named preset plus key=value overrides."""
+
+    name: str
+    cache: str = "ring"  # ring | reference
+    kv_dtype: str = "fp8"  # ring cache storage (the reference cache keeps float K/V)
+    backend: str = "torch"  # torch (SDPA over the ring) | triton (FP8 attention kernels)
+    gemm: str = "plain"  # plain | fp8 (block linears in FP8)
+    cuda_graph: bool = False
+    tp: int = 1  # tensor-parallel degree: processes (gloo on CPU, one GPU each on CUDA)
+    fused_allreduce: bool = False  # MLP-out GEMM with its all-reduce overlapped (tp >= 2)
+    processes: bool = False  # diffusion and decoding in their own processes (always so at tp >= 2)
+    reset_every: int | None = None  # steps between position resets (None: the spec's)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+    def describe(self) -> str:
+        kv = self.kv_dtype if self.cache == "ring" else "float"
+        extra = [f"tp={self.tp}"] if self.tp > 1 else (["processes"] if self.processes else [])
+        extra += ["fused_allreduce"] if self.fused_allreduce else []
+        extra += ["cuda_graph"] if self.cuda_graph else []
+        extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
+        return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
+
+
+CONFIG_PRESETS: dict[str, dict] = {
+    "reference": dict(cache="reference", kv_dtype="fp32"),  # the plain path: float cache, RoPE at read time
+    "ring-fp32": dict(cache="ring", kv_dtype="fp32"),  # ring cache, RoPE at write time, position resets
+    "fp8-cache": dict(cache="ring", kv_dtype="fp8"),  # + FP8 K/V with static per-head scales
+    "fp8-attention": dict(cache="ring", kv_dtype="fp8", backend="triton"),  # + the Triton FP8 attention kernels
+    "fp8-gemm": dict(cache="reference", kv_dtype="fp32", gemm="fp8"),  # the plain path with FP8 block linears
+    "tp2": dict(cache="reference", kv_dtype="fp32", tp=2),
+    "tp3": dict(cache="reference", kv_dtype="fp32", tp=3),
+    "fused-allreduce": dict(cache="reference", kv_dtype="fp32", tp=2, fused_allreduce=True),
+    "cuda-graph": dict(cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True, device="cuda"),
+}
+_GEMMS = ("plain", "fp8")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_WARNED: set[str] = set()  # configs already warned about, once per process
+
+
+def _config_value(key: str, value) -> object:
+    """A config value from text (key=value) or JSON, checked against the field's type."""
+    kinds = {f.name: f.type for f in fields(EngineConfig)}
+    if key not in kinds or key == "name":
+        known = ", ".join(k for k in kinds if k != "name")
+        raise ValueError(f"unknown config key {key!r}; known keys: {known}")
+    kind = kinds[key]
+    if "bool" in kind:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in _TRUE + _FALSE:
+            return str(value).lower() in _TRUE
+        raise ValueError(f"config key {key} must be true or false, got {value!r}")
+    if "int" in kind:
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            if "None" in kind:
+                return None
+            raise ValueError(f"config key {key} needs a whole number")
+        if isinstance(value, bool) or not (isinstance(value, int) or str(value).lstrip("-").isdigit()):
+            raise ValueError(f"config key {key} must be a whole number, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"config key {key} must be text, got {value!r}")
+    return value
+
+
+def parse_config(text: str) -> EngineConfig:
+    """`PRESET[,key=value...]` (e.g. `fp8-cache,reset_every=0`) or a JSON file {"preset": ..., key: value}."""
+    text = text.strip()
+    if text.endswith(".json") or Path(text).is_file():
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"config file not found: {path}")
+        try:
+            blob = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+        if not isinstance(blob, dict):
+            raise ValueError(f"config file {path} must hold a JSON object, got {type(blob).__name__}")
+        blob = dict(blob)
+        preset = blob.pop("preset", None)
+        if not isinstance(preset, str):
+            raise ValueError(f"config file {path} needs \"preset\": one of {', '.join(CONFIG_PRESETS)}")
+        overrides = list(blob.items())
+        name = f"{path.name}"
+    else:
+        preset, *pairs = [p.strip() for p in text.split(",")]
+        overrides = []
+        for pair in pairs:
+            if "=" not in pair:
+                raise ValueError(f"config override {pair!r} is not key=value (in {text!r})")
+            key, value = (x.strip() for x in pair.split("=", 1))
+            overrides.append((key, value))
+        name = text
+    if preset not in CONFIG_PRESETS:
+        raise ValueError(f"unknown config preset {preset!r}; known presets: {', '.join(CONFIG_PRESETS)}")
+    settings = dict(CONFIG_PRESETS[preset])
+    for key, value in overrides:
+        settings[key] = _config_value(key, value)
+    config = EngineConfig(name=name, **settings)
+    check_config(config)
+    return config
+
+
+def check_config(config: EngineConfig, spec=None) -> None:
+    """Clear errors for settings that cannot run (here, or at all); a warning for slow ones."""
+    from engine.cache import KV_DTYPES
+    from engine.config import shard_spec
+    from engine.session import BACKENDS, CACHES
+
+    c = config
+    for key, value, choices in (("cache", c.cache, CACHES), ("kv_dtype", c.kv_dtype, tuple(KV_DTYPES)),
+                                ("backend", c.backend, BACKENDS), ("gemm", c.gemm, _GEMMS)):
+        if value not in choices:
+            raise ValueError(f"config {c.name}: {key} must be one of {', '.join(choices)}, got {value!r}")
+    if not (c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())):
+        raise ValueError(f"config {c.name}: device must be auto, cpu, cuda or cuda:N, got {c.device!r}")
+    gpu = torch.cuda.is_available()
+    on_cuda = c.device.startswith("cuda") or (c.device == "auto" and gpu)
+    if c.cuda_graph and not gpu:
+        raise ValueError(f"config {c.name}: cuda_graph needs a CUDA GPU; none is visible (a GPU-only fast path)")
+    if c.device.startswith("cuda") and not gpu:
+        raise ValueError(f"config {c.name}: device {c.device} asked for, but no CUDA GPU is visible")
+    if c.cache == "reference" and c.backend == "triton":
+        raise ValueError(f"config {c.name}: the triton backend needs cache=ring")
+    if c.cuda_graph:
+        if c.backend != "triton" or not on_cuda:
+            raise ValueError(f"config {c.name}: cuda_graph needs backend=triton on a CUDA device")
+    if c.backend == "triton" and not on_cuda:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"config {c.name}: backend=triton on the CPU runs only under Triton's interpreter "
+                             "(set TRITON_INTERPRET=1; slow)")
+        if c.name not in _WARNED:
+            _WARNED.add(c.name)
+            print(f"warning: config {c.name}: Triton kernels under the interpreter on the CPU: correct but very slow",
+                  file=sys.stderr)
+    if c.tp < 1:
+        raise ValueError(f"config {c.name}: tp must be >= 1, got {c.tp}")
+    if (c.tp > 1 or c.processes) and c.gemm == "fp8":
+        raise ValueError(f"config {c.name}: gemm=fp8 runs in one process only (tp=1, processes=false)")
+    if c.fused_allreduce and c.tp < 2:
+        raise ValueError(f"config {c.name}: fused_allreduce needs tp >= 2")
+    if c.tp > 1 and on_cuda and torch.cuda.device_count() < c.tp:
+        raise ValueError(f"config {c.name}: tp={c.tp} needs {c.tp} GPUs, {torch.cuda.device_count()} visible")
+    if c.reset_every is not None and c.reset_every < 0:
+        raise ValueError(f"config {c.name}: reset_every must be >= 0 (0: never), got {c.reset_every}")
+    if spec is not None and c.tp > 1:
+        try:
+            shard_spec(spec, c.tp)
+        except ValueError as e:
+            raise ValueError(f"config {c.name}: {e}") from None
+
+
+def config_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, weights: str | None = None,
+                   weights_seed: int = 0, playout=None):
+    """A started `RealtimeCharacter` under `config`: weights from `weights_seed` (or the checkpoint),
+    sampling noise from `noise_seed`. Returns (character, trained, close)."""
+    from engine.realtime import RealtimeCharacter, RemoteSteps
+    from engine.session import EngineSession
+    from engine.weights import load_engine
+
+    check_config(config, spec)
+    device = config_device(config)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    session_kwargs = dict(cache=config.cache, kv_dtype=config.kv_dtype, backend=config.backend,
+                          reset_every=config.reset_every, cuda_graph=config.cuda_graph)
+    if config.tp > 1 or config.processes:
+        from engine.distributed import DistributedEngine, Placement
+
+        placement = (Placement(tuple(range(config.tp)), ()) if device.type == "cuda" else Placement(cpu_ranks=config.tp))
+        engine = DistributedEngine(spec, placement, weights=weights, seed=weights_seed,
+                                   session={**session_kwargs, "seed": noise_seed}, overlap=config.fused_allreduce)
+        try:
+            _, codec, trained = load_engine(spec, weights=weights, seed=weights_seed)
+            steps = RemoteSteps(engine)
+            steps.start(codec.encode_reference(ch.reference_image(look, spec.image_size)))
+        except BaseException:
+            engine.close()
+            raise
+        return RealtimeCharacter(steps=steps, lookahead=1, playout=playout), trained, engine.close
+    model, codec, trained = load_engine(spec, weights=weights, device=device, dtype=dtype, seed=weights_seed)
+    if config.gemm == "fp8":
+        from engine.kernels.fp8_linear import quantize_linears_
+
+        quantize_linears_(model, fuse=device.type == "cuda")
+    session = EngineSession(model, seed=noise_seed, **session_kwargs)
+    session.start(codec.encode_reference(ch.reference_image(look, spec.image_size)).to(device, dtype))
+    return RealtimeCharacter(session, codec, playout=playout), trained, (lambda: None)
+
+
+def config_frames(config: EngineConfig, spec, pcm: np.ndarray, look: str, *, noise_seed: int,
+                  weights: str | None = None, weights_seed: int = 0):
+    """Frames for `pcm` under `config`, streamed: (generator of (first_frame, rgb (4, H, W, 3) uint8), trained)."""
+    character, trained, close = open_character(config, spec, look, noise_seed=noise_seed, weights=weights,
+                                               weights_seed=weights_seed)
+    steps = math.ceil(math.ceil(pcm.size * spec.fps / SAMPLE_RATE) / spec.frames_per_latent)
+    chunk = 2 * SAMPLE_RATE  # pushed a chunk at a time, a second or more ahead: the timeline stays short in long sessions
+
+    def run():
+        try:
+            made, pushed = 0, 0
+            while made < steps:
+                ahead = frame_sample(character.steps.next_frame + spec.fps, spec.fps)
+                while pushed < min(ahead, pcm.size):
+                    character.push_audio(pcm[pushed:pushed + chunk], SAMPLE_RATE)
+                    pushed += chunk
+                batch = character.make_step()
+                if batch:  # empty only while a look-ahead step is in flight
+                    made += 1
+                    yield batch[0].index, np.stack([f.rgb for f in batch])
+        finally:
+            close()
+
+    return run(), trained
+
+
+# Compare: a numerics change against the spread of reruns ------------------------------------
+RERUN_SEED_OFFSET = 1_000_003  # A' draws its sampling noise from seed + this
+RERUN_DEFINITION = ("A' is configuration A run again on the same clips (same audio, character and weights) with "
+                    "a fresh sampling-noise seed (clip seed + 1000003): the variation a user sees between two runs. "
+                    "A rerun with the same seed is bit-identical on the CPU, so it would measure nothing.")
+SEED_THRESHOLDS = {"max_abs_mean": 0.03, "max_abs_ci95": 0.08}  # the seed's bar: mean within 0.03, 95% CI within +-0.08
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t 97.5% point: a table to 30 degrees of freedom, then Cornish-Fisher's first term."""
+    if df < 1:
+        raise ValueError("an interval needs at least 2 clips")
+    return _T975[df - 1] if df <= len(_T975) else 1.959964 + (1.959964**3 + 1.959964) / (4 * df)
+
+
+def mean_ci95(values: list[float]) -> dict:
+    """Mean and the 95% t-interval of the mean of paired differences."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        raise ValueError("an interval needs at least 2 clips")
+    half = t_quantile_975(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    mean = float(x.mean())
+    return {"mean": mean, "ci95": [mean - half, mean + half], "sd": float(x.std(ddof=1)), "n": int(x.size)}
+
+
+def verdict(diff: dict, rerun: dict) -> dict:
+    """Within the rerun band: the B-A interval lies inside +-(the farthest end of the A'-A interval)."""
+    band = max(abs(rerun["ci95"][0]), abs(rerun["ci95"][1]))
+    lo, hi = diff["ci95"]
+    within = -band <= lo and hi <= band
+    seed_ok = abs(diff["mean"]) <= SEED_THRESHOLDS["max_abs_mean"] and max(abs(lo), abs(hi)) <= SEED_THRESHOLDS["max_abs_ci95"]
+    return {"rerun_band": [-band, band], "within_rerun_band": within,
+            "verdict": "within the rerun band" if within else "outside the rerun band", "seed_thresholds_met": seed_ok}
+
+
+def speech_clip(seed: int, seconds: float, source: str) -> np.ndarray:
+    """A speech clip reproducible from its seed: utterances and pauses (engine.train's corpus maker)."""
+    from engine.train import make_corpus
+
+    pcm16, _ = make_corpus(seconds, seed, (source,))
+    return pcm16.astype(np.float32) / 32768.0
+
+
+def default_audio_source() -> str:
+    import shutil
+
+    return "espeak" if shutil.which("espeak-ng") else "synth"
+
+
+def _clip_run(config: EngineConfig, spec, pcm: np.ndarray, look: str, noise_seed: int, weights, max_offset: int):
+    n = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
+    gen, trained = config_frames(config, spec, pcm, look, noise_seed=noise_seed, weights=weights)
+    frames = torch.from_numpy(np.concatenate([rgb for _, rgb in gen])[:n])
+    scores = sync_scores(mouth_opening(frames, look), audio_envelope(pcm, n, spec.fps), max_offset)
+    return frames, scores, trained
+
+
+def compare(spec, a: EngineConfig, bs: list[EngineConfig], *, clips: int, clip_seconds: float = 4.0, seed: int = 0,
+            source: str | None = None, weights: str | None = None, max_offset: int = MAX_OFFSET, progress=None) -> dict:
+    """N clips (audio and noise seed per clip) under A, A' (A with fresh noise) and each B; lip-sync scores,
+    the mean B-A difference with its 95% interval next to A'-A, and a verdict per B."""
+    if clips < 2:
+        raise ValueError(f"--clips must be at least 2 for an interval, got {clips}")
+    if clip_seconds * spec.fps < 2 * max_offset + 8:
+        raise ValueError(f"--clip-seconds {clip_seconds:g} is too short: the metric needs {(2 * max_offset + 8) / spec.fps:.2f} s")
+    for config in (a, *bs):
+        check_config(config, spec)
+    source = source or default_audio_source()
+    looks = list(ch.PRESETS)
+    runs = {"A": a, "A'": a, **{f"B{i}": b for i, b in enumerate(bs)}}
+    rows, trained, t0 = [], False, time.perf_counter()
+    wall = {k: 0.0 for k in runs}
+    for i in range(clips):
+        clip_seed = seed + i
+        pcm = speech_clip(clip_seed, clip_seconds, source)
+        look = looks[i % len(looks)]
+        row, frames_a = {"clip": i, "audio_seed": clip_seed, "look": look}, None
+        for key, config in runs.items():
+            noise = clip_seed + (RERUN_SEED_OFFSET if key == "A'" else 0)
+            t1 = time.perf_counter()
+            frames, scores, trained = _clip_run(config, spec, pcm, look, noise, weights, max_offset)
+            wall[key] += time.perf_counter() - t1
+            row[key] = {"score": scores["score"], "confidence": scores["confidence"], "best_offset": scores["best_offset"]}
+            if key == "A":
+                frames_a = frames
+            else:  # mean |frame difference| to A (0..255): same noise seed for B, fresh for A'
+                row[key]["pixel_diff"] = float((frames.float() - frames_a.float()).abs().mean())
+        rows.append(row)
+        if progress is not None:
+            progress({"clip": i + 1, "of": clips, "elapsed_s": round(time.perf_counter() - t0, 1)})
+    rerun = mean_ci95([r["A'"]["score"] - r["A"]["score"] for r in rows])
+    rerun_pixels = float(np.mean([r["A'"]["pixel_diff"] for r in rows]))
+    comparisons = []
+    for i, b in enumerate(bs):
+        key = f"B{i}"
+        diff = mean_ci95([r[key]["score"] - r["A"]["score"] for r in rows])
+        comparisons.append({"b": b.describe(), "diff_b_minus_a": diff, "rerun_a_prime_minus_a": rerun,
+                            "confidence_diff": mean_ci95([r[key]["confidence"] - r["A"]["confidence"] for r in rows]),
+                            "pixel_diff_b_vs_a": float(np.mean([r[key]["pixel_diff"] for r in rows])),
+                            "pixel_diff_rerun": rerun_pixels, **verdict(diff, rerun),
+                            "seconds": wall[key]})
+    return {
+        "spec": spec.name, "trained_weights": trained, "clips": clips, "clip_seconds": clip_seconds,
+        "audio_source": source, "seed": seed, "metric": "lip-sync score (correlation at offset 0 minus the median over offsets)",
+        "a": a.describe(), "rerun_definition": RERUN_DEFINITION, "seed_thresholds": SEED_THRESHOLDS,
+        "rerun_a_prime_minus_a": rerun, "comparisons": comparisons, "per_clip": rows,
+        "seconds": {"A": wall["A"], "A'": wall["A'"]}, "wall_seconds": time.perf_counter() - t0,
     }
 
 
@@ -357,7 +735,40 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("--weights")
     sh.add_argument("--device", default="cpu")
     sh.add_argument("--seed", type=int, default=0)
+    presets = ", ".join(CONFIG_PRESETS)
+    cp = sub.add_parser("compare", help="a numerics change (B) against the spread of reruns of A, over N clips")
+    cp.add_argument("--a", required=True, help=f"baseline config: PRESET[,key=value...] or a JSON file; presets: {presets}")
+    cp.add_argument("--b", required=True, action="append", help="config to judge (repeat for several; A and A' are shared)")
+    cp.add_argument("--clips", type=int, default=8, help="clips (each its own speech, character and seed)")
+    cp.add_argument("--clip-seconds", type=float, default=4.0)
+    cp.add_argument("--spec", default="demo", choices=sorted(SPECS))
+    cp.add_argument("--weights", help="DiT checkpoint (default: the one shipped for the spec)")
+    cp.add_argument("--seed", type=int, default=0, help="clip i uses audio and noise seed seed + i")
+    cp.add_argument("--audio-source", default=None, choices=("espeak", "piper", "synth"),
+                    help="speech for the clips (default: espeak-ng when installed, else synthetic babble)")
+    cp.add_argument("--max-offset", type=int, default=MAX_OFFSET, help="frames searched either side")
+    cp.add_argument("--json", action="store_true", help="print one JSON object")
+    dr = sub.add_parser("drift", help="long session: metric and picture per minute, first minute against last, verdict")
+    dr.add_argument("--spec", default="demo", choices=sorted(SPECS))
+    dr.add_argument("--minutes", type=float, default=10.0)
+    dr.add_argument("--audio", default=None, help="clip to loop (default: speech made from --seed)")
+    dr.add_argument("--config", default="fp8-cache", help=f"PRESET[,key=value...] or a JSON file; presets: {presets}")
+    dr.add_argument("--preset", default="ada", help=f"character, one of {', '.join(ch.PRESETS)}")
+    dr.add_argument("--weights")
+    dr.add_argument("--seed", type=int, default=0)
+    dr.add_argument("--max-offset", type=int, default=MAX_OFFSET)
+    dr.add_argument("--max-score-drop", type=float, default=DRIFT_LIMITS["score_drop"])
+    dr.add_argument("--max-level-change", type=float, default=DRIFT_LIMITS["level_change"])
+    dr.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.cmd in ("compare", "drift"):
+        try:
+            report = _compare_cli(args) if args.cmd == "compare" else _drift_cli(args)
+        except (ValueError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+        return 0
     if args.cmd == "sheet":
         try:
             spec = get_spec(args.spec)
@@ -386,6 +797,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.minutes:
             progress = (lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
             report = long_session_report(spec, pcm, args.minutes, args.preset, progress=progress, **kwargs)
+            report["drift"] = drift_verdict(report)
         else:
             report = lipsync_report(spec, pcm, args.preset, **kwargs)
     except ValueError as e:
@@ -397,6 +809,40 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(json.dumps(report, indent=2))
     return 0
+
+
+def _progress(d: dict) -> None:
+    print(json.dumps(d), file=sys.stderr, flush=True)
+
+
+def _compare_cli(args) -> dict:
+    from engine.config import get_spec
+
+    spec = get_spec(args.spec)
+    a, bs = parse_config(args.a), [parse_config(b) for b in args.b]
+    return compare(spec, a, bs, clips=args.clips, clip_seconds=args.clip_seconds, seed=args.seed,
+                   source=args.audio_source, weights=args.weights, max_offset=args.max_offset, progress=_progress)
+
+
+def _drift_cli(args) -> dict:
+    from engine.config import get_spec
+
+    spec = get_spec(args.spec)
+    config = parse_config(args.config)
+    ch.get_look(args.preset)
+    if args.minutes <= 0:
+        raise ValueError(f"--minutes must be positive, got {args.minutes:g}")
+    if args.audio is not None:
+        pcm = read_audio(args.audio, max_seconds=600)
+        if not pcm.size or not np.abs(pcm).max() > 0:
+            raise ValueError(f"{args.audio} holds no sound: nothing for the mouth to follow")
+    else:
+        pcm = speech_clip(args.seed, 8.0, default_audio_source())
+    report = long_session_report(spec, pcm, args.minutes, args.preset, weights=args.weights, seed=args.seed,
+                                 max_offset=args.max_offset, progress=_progress, config=config)
+    report["drift"] = drift_verdict(report, {"score_drop": args.max_score_drop, "level_change": args.max_level_change})
+    report["audio"] = args.audio or f"speech made from seed {args.seed}"
+    return report
 
 
 if __name__ == "__main__":

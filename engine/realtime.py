@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -161,8 +161,13 @@ class RealtimeCharacter:
         self.playout = playout or PlayoutBuffer(fps=self.spec.fps)
         self.timeline = AudioTimeline(self.spec.fps)
         self.step_seconds: deque[float] = deque(maxlen=1024)
+        # Hooks for soak runs and fault injection: before_step(step) runs in the engine thread before a step is
+        # submitted (its time counts as the step's); on_step(step, seconds) when that step's frames are in.
+        self.before_step: Callable[[int], None] | None = None
+        self.on_step: Callable[[int, float], None] | None = None
         self.error: BaseException | None = None
         self._lock = threading.Lock()
+        self._unsubmitted = 0  # first frame of the next step not yet submitted (a step may be in flight)
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -192,13 +197,13 @@ class RealtimeCharacter:
     def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
         """Queue speech (any rate, mono or (samples, channels)); it starts at the next frame not yet made."""
         pcm = to_mono_16k(pcm, sample_rate)
-        with self._lock:
-            self.timeline.push(pcm, self.steps.next_frame)
+        with self._lock:  # not into a step already submitted: its audio was taken when it was submitted
+            self.timeline.push(pcm, max(self.steps.next_frame, self._unsubmitted))
 
     def clear(self) -> None:
         """Barge-in: speech not yet made is dropped, frames already waiting go silent."""
         with self._lock:
-            self.timeline.clear_from(self.steps.next_frame)
+            self.timeline.clear_from(max(self.steps.next_frame, self._unsubmitted))
             self._pending = deque((first, [np.zeros_like(p) for p in pcms]) for first, pcms in self._pending)
         self.playout.map_waiting(lambda f: replace(f, pcm=np.zeros_like(f.pcm), speaking=False))
 
@@ -209,18 +214,24 @@ class RealtimeCharacter:
         spec = self.spec
         with self._lock:
             first = self.steps.next_frame
+            self._unsubmitted = first + spec.frames_per_latent
             window_start = first - spec.audio_context
             features = self.timeline.features(window_start, spec.audio_window, spec.n_mels)
             self._pending.append((first, [self.timeline.frame_pcm(first + i) for i in range(spec.frames_per_latent)]))
             self.timeline.drop_before(first + spec.frames_per_latent - spec.audio_context - 1)
         t0 = time.perf_counter()
+        if self.before_step is not None:
+            self.before_step(first // spec.frames_per_latent)
         self.steps.submit(features, window_start)
         if len(self._pending) <= self.lookahead:
             return []
         rgb = self.steps.collect()
-        self.step_seconds.append(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.step_seconds.append(seconds)
         with self._lock:
             first, pcms = self._pending.popleft()
+        if self.on_step is not None:
+            self.on_step(first // spec.frames_per_latent, seconds)
         return [
             AVFrame(first + i, rgb[i], pcm, bool(np.sqrt(np.mean(pcm**2)) > _SPEECH_RMS))
             for i, pcm in enumerate(pcms)

@@ -110,3 +110,142 @@ def test_contact_sheet_png(tmp_path, speech, capsys):
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (4 * 32, 4 * 32)  # 4 columns; generated + renderer rows for 2 presets
     assert json.loads(capsys.readouterr().out)["rows"] == 4
+
+
+# Engine configurations and compare ----------------------------------------------------------
+from engine.config import get_spec  # noqa: E402
+from engine.quality import (  # noqa: E402
+    CONFIG_PRESETS,
+    compare,
+    drift_verdict,
+    mean_ci95,
+    parse_config,
+    t_quantile_975,
+    verdict,
+)
+
+
+def test_configs_are_presets_with_overrides_or_json_files(tmp_path):
+    c = parse_config("fp8-cache,reset_every=0,kv_dtype=bf16")
+    assert (c.cache, c.kv_dtype, c.reset_every, c.tp) == ("ring", "bf16", 0, 1)
+    assert parse_config("reference").cache == "reference"
+    assert parse_config("tp2,fused_allreduce=yes").fused_allreduce is True
+    f = tmp_path / "b.json"
+    f.write_text(json.dumps({"preset": "ring-fp32", "reset_every": 3}))
+    assert (parse_config(str(f)).kv_dtype, parse_config(str(f)).reset_every) == ("fp32", 3)
+    assert set(CONFIG_PRESETS) >= {"reference", "ring-fp32", "fp8-cache", "fp8-attention", "tp2", "tp3", "cuda-graph"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("refrence", "unknown config preset 'refrence'"),
+    ("fp8-cache,colour=red", "unknown config key 'colour'"),
+    ("fp8-cache,tp=two", "tp must be a whole number"),
+    ("fp8-cache,kv_dtype=fp4", "kv_dtype must be one of"),
+    ("fp8-cache,tp", "not key=value"),
+    ("reference,backend=triton", "triton backend needs cache=ring"),
+    ("reference,fused_allreduce=true", "fused_allreduce needs tp >= 2"),
+    ("tp2,gemm=fp8", "gemm=fp8 runs in one process only"),
+    ("fp8-cache,cuda_graph=maybe", "must be true or false"),
+    ("fp8-cache,reset_every=-1", "reset_every must be >= 0"),
+])
+def test_bad_configs_are_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(text)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_graph_on_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA GPU"):
+        parse_config("cuda-graph")
+
+
+def test_broken_config_files_are_named(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"preset": "fp8-cache", ')
+    with pytest.raises(ValueError, match="broken.json is not valid JSON"):
+        parse_config(str(broken))
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        parse_config(str(listed))
+    nameless = tmp_path / "nameless.json"
+    nameless.write_text('{"kv_dtype": "fp8"}')
+    with pytest.raises(ValueError, match="needs \"preset\""):
+        parse_config(str(nameless))
+    with pytest.raises(ValueError, match="config file not found"):
+        parse_config(str(tmp_path / "absent.json"))
+
+
+def test_interval_and_verdict():
+    ci = mean_ci95([1.0, 2.0, 3.0])
+    assert ci["mean"] == pytest.approx(2.0)
+    assert ci["ci95"] == pytest.approx([2.0 - 4.303 / 3**0.5, 2.0 + 4.303 / 3**0.5], abs=1e-3)
+    assert t_quantile_975(60) == pytest.approx(2.000, abs=0.003)
+    rerun = {"mean": 0.0, "ci95": [-0.05, 0.04]}
+    inside = verdict({"mean": 0.01, "ci95": [-0.02, 0.04]}, rerun)
+    outside = verdict({"mean": 0.1, "ci95": [0.06, 0.14]}, rerun)
+    assert inside["within_rerun_band"] and inside["rerun_band"] == [-0.05, 0.05] and inside["seed_thresholds_met"]
+    assert not outside["within_rerun_band"] and not outside["seed_thresholds_met"]
+    with pytest.raises(ValueError, match="at least 2 clips"):
+        mean_ci95([1.0])
+
+
+def test_compare_runs_a_twice_and_each_b(capsys):
+    spec = get_spec("tiny")
+    a = parse_config("reference")
+    report = compare(spec, a, [parse_config("ring-fp32"), parse_config("tp2")], clips=2, clip_seconds=2.0,
+                     source="synth", max_offset=8)
+    assert report["clips"] == 2 and len(report["per_clip"]) == 2 and "fresh sampling-noise seed" in report["rerun_definition"]
+    ring, tp2 = report["comparisons"]
+    # Same noise seed: the ring path and two tensor-parallel ranks make (nearly) A's frames; a rerun does not.
+    assert ring["pixel_diff_b_vs_a"] < 0.5 and tp2["pixel_diff_b_vs_a"] < 0.5
+    assert ring["pixel_diff_rerun"] > 5.0
+    assert abs(ring["diff_b_minus_a"]["mean"]) < 0.01 and ring["within_rerun_band"]
+    assert {r["look"] for r in report["per_clip"]} == set(list(ch.PRESETS)[:2])
+
+
+def test_compare_cli_errors_without_traceback(capsys):
+    assert main(["compare", "--spec", "tiny", "--a", "reference", "--b", "tp9", "--clips", "2"]) == 2
+    assert "unknown config preset 'tp9'" in capsys.readouterr().err
+    assert main(["compare", "--spec", "tiny", "--a", "reference", "--b", "tp3", "--clips", "2"]) == 2
+    assert "degree 3 must divide n_heads 4" in capsys.readouterr().err
+    assert main(["compare", "--spec", "tiny", "--a", "reference", "--b", "fp8-cache", "--clips", "1"]) == 2
+    assert "--clips must be at least 2" in capsys.readouterr().err
+
+
+def test_drift_subcommand_gives_a_verdict(tmp_path, speech, capsys):
+    wav = tmp_path / "x.wav"
+    _write_wav(wav, speech[: 3 * SAMPLE_RATE])
+    assert main(["drift", "--spec", "tiny", "--minutes", "2", "--audio", str(wav), "--max-offset", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["minute"] for r in report["per_minute"]] == [0, 1]
+    assert report["position_resets"] == 2 * 360 // 5  # tiny: a reset every 5 steps
+    assert report["drift"]["verdict"] in ("stable", "drifting") and report["drift"]["minutes_compared"] == [0, 1]
+    assert main(["drift", "--spec", "tiny", "--minutes", "0", "--audio", str(wav)]) == 2
+    assert "--minutes must be positive" in capsys.readouterr().err
+
+
+def test_drift_verdict_names_what_moved():
+    def report(score_change, bright_change):
+        fl = {"score": {"first": 0.5, "last": 0.5 + score_change, "change": score_change},
+              "confidence": {"first": 0.5, "last": 0.5, "change": 0.0},
+              "brightness": {"first": 100.0, "last": 100 + bright_change, "change": bright_change},
+              "sharpness": {"first": 50.0, "last": 50.0, "change": 0.0},
+              "ref_diff": {"first": 10.0, "last": 10.0, "change": 0.0}}
+        return {"first_vs_last": fl, "per_minute": [{"minute": 0, "score": 0.5}, {"minute": 1, "score": 0.5 + score_change}]}
+
+    assert drift_verdict(report(-0.01, 1.0))["verdict"] == "stable"
+    bad = drift_verdict(report(-0.2, 12.0))
+    assert bad["verdict"] == "drifting" and len(bad["reasons"]) == 2 and bad["score_slope_per_minute"] == pytest.approx(-0.2)
+
+
+def test_config_frames_push_audio_in_chunks_yet_match_one_push():
+    from engine.quality import config_frames, engine_frames, speech_clip
+
+    spec = get_spec("tiny")
+    pcm = speech_clip(3, 7.0, "synth")  # more than the 2 s chunk, so several pushes
+    gen, _ = config_frames(parse_config("fp8-cache"), spec, pcm, "ada", noise_seed=0)
+    chunked = np.concatenate([rgb for _, rgb in gen])
+    gen, _ = engine_frames(spec, pcm, "ada", seed=0)  # one push, weights and noise both from seed 0
+    whole = np.concatenate([rgb for _, rgb in gen])
+    assert chunked.shape == whole.shape == (168, 32, 32, 3) and np.array_equal(chunked, whole)

@@ -1,0 +1,89 @@
+"""Soak runs on the tiny spec: a real-time session with scripted turns, its report, recording and trace."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import av
+import pytest
+
+from engine.config import get_spec
+from engine.quality import parse_config
+from engine.soak import growth_verdict, main, slope_per_minute, soak
+
+TINY = get_spec("tiny")
+
+
+def mp4_frames(path) -> int:
+    with av.open(str(path)) as c:
+        return sum(1 for _ in c.decode(video=0))
+
+
+def trace_lines(path) -> list[dict]:
+    return [json.loads(line) for line in open(path).read().splitlines()]
+
+
+def test_short_soak_reports_and_records_everything(tmp_path):
+    mp4, trace = tmp_path / "soak.mp4", tmp_path / "soak.jsonl"
+    r = soak(TINY, parse_config("fp8-cache"), seconds=6.0, speech_s=2.0, silence_s=1.0, record=str(mp4),
+             trace_path=str(trace), source="synth")
+    assert r["ended"] == "ran its time" and r["error"] is None
+    assert r["frames_recorded"] == r["frames_released"] == mp4_frames(mp4) > 0
+    assert r["steps"] > 0 and 0 < r["step_ms"]["p50"] <= r["step_ms"]["p95"] <= r["step_ms"]["max"]
+    assert 0 <= r["seconds_below_24fps"] <= r["whole_seconds"] and r["whole_seconds"] >= 3
+    assert len(r["samples"]) >= 4 and all(s["host_mb"] > 0 for s in r["samples"])
+    assert r["memory"]["host_mb_per_minute"] is not None and r["memory"]["gpu_mb_first"] is None
+    assert r["memory"]["host_growth"] == growth_verdict(r["memory"]["host_mb_per_minute"])
+    events = trace_lines(trace)
+    assert events[0]["event"] == "start" and events[-1]["event"] == "end"
+    assert [e["turn"] for e in events if e["event"] == "turn"] == [0, 1]  # turns at 0 s and 3 s
+    assert sum(e["event"] == "second" for e in events) == len(r["samples"])
+
+
+def test_slope_is_per_minute_and_ignores_missing():
+    t = [0.0, 30.0, 60.0, 90.0]
+    assert slope_per_minute(t, [100.0, 101.0, 102.0, 103.0]) == pytest.approx(2.0)
+    assert slope_per_minute(t, [100.0, None, 100.0, 100.0]) == pytest.approx(0.0)
+    assert slope_per_minute(t[:2], [1.0, 2.0]) is None
+    assert growth_verdict(0.3) == "no growth" and growth_verdict(2.5).startswith("grows 2.50 MB per minute")
+    assert growth_verdict(None) == "too short to tell"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fault", "melt@3"], "unknown fault 'melt'"),
+    (["--fault", "slow-step"], "needs a time"),
+    (["--fault", "kill-decoder@2"], "kill faults need the engine's own processes"),
+    (["--config", "fp8-cachee"], "unknown config preset"),
+    (["--seconds", "0"], "--seconds must be positive"),
+    (["--record", "/nonexistent-folder/x.mp4"], "folder /nonexistent-folder does not exist"),
+])
+def test_soak_cli_refuses_bad_arguments(args, message, capsys):
+    assert main(["--spec", "tiny", "--seconds", "2", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_recording_and_trace_survive_a_killed_process(tmp_path):
+    """SIGKILL the soak itself: the fragmented MP4 plays up to its last fragment, every trace line is whole."""
+    mp4, trace = tmp_path / "crash.mp4", tmp_path / "crash.jsonl"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.soak", "--spec", "tiny", "--seconds", "60", "--audio-source",
+                             "synth", "--record", str(mp4), "--trace", str(trace)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if trace.exists() and sum('"second"' in line for line in trace.read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the soak wrote no seconds to its trace")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    events = trace_lines(trace)  # raises if a line was cut
+    assert events[0]["event"] == "start" and all(e["event"] != "end" for e in events)
+    released = max(e["released"] for e in events if e["event"] == "second")
+    assert mp4_frames(mp4) >= min(released, 48) - 24  # all but the fragment being written (1 s)
