@@ -18,37 +18,9 @@ from engine.config import ModelSpec, get_spec
 from engine.playout import PlayoutBuffer
 from engine.realtime import LocalSteps, RealtimeCharacter, RemoteSteps
 from engine.session import EngineSession
-from engine.weights import load_engine
+from engine.weights import load_engine, pick_device
 
 log = logging.getLogger(__name__)
-
-
-class CommittedSteps(LocalSteps):
-    """Local steps whose next free frame moves on as soon as a step is submitted.
-
-    The session counts a step only once it is made, so speech pushed while a step is in
-    flight would otherwise be laid on frames whose audio was already taken.
-    """
-
-    def __init__(self, session: EngineSession, codec):
-        super().__init__(session, codec)
-        self._committed = 0
-
-    @property
-    def next_frame(self) -> int:
-        return max(self.session.next_frame, self._committed)
-
-    def submit(self, features: torch.Tensor, window_start: int) -> None:
-        self._committed = self.session.next_frame + self.spec.frames_per_latent
-        super().submit(features, window_start)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda asked for, but no CUDA GPU is visible (use --device cpu)")
-    return torch.device(name)
 
 
 class EngineHost:
@@ -126,7 +98,7 @@ class EngineHost:
         if self.placement is None:
             session = EngineSession(self.model)
             session.start(reference)
-            character = RealtimeCharacter(steps=CommittedSteps(session, self.codec), playout=playout)
+            character = RealtimeCharacter(steps=LocalSteps(session, self.codec), playout=playout)
             engine = None
         else:
             engine = self._take_distributed()

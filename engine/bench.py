@@ -22,6 +22,7 @@ from engine.cache import ReferenceKVCache, RingKVCache, attention
 from engine.config import SPECS, ModelSpec, get_spec, shard_spec
 from engine.model import CausalVideoDiT
 from engine.parallel import shard_model_
+from engine.weights import pick_device
 
 
 def _sync(device: torch.device) -> None:
@@ -498,9 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         spec = shard_spec(get_spec(args.spec), args.tp_shard)
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
+        device = pick_device(args.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if args.bench == "cache":
             result = bench_cache(spec, device, dtype, args.repeats)

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = get_spec(args.spec)
         device = pick_device(args.device)
+        if not Path(args.out).resolve().parent.is_dir():
+            raise ValueError(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
         pcm = read_audio(args.audio, max_seconds=args.max_seconds)
         if pcm.size == 0:
             raise ValueError(f"{args.audio} holds no audio samples")

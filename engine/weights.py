@@ -15,9 +15,18 @@ def pick_device(name: str) -> torch.device:
     """`auto`, `cpu`, `cuda` or `cuda:N` -> a device; a clear error when CUDA is asked for but absent."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name} asked for, but no CUDA GPU is visible")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    elif device.type != "cpu":
+        raise ValueError(f"unsupported device {name!r}: use auto, cpu, cuda or cuda:N")
+    return device
 
 
 def sha256_of(path: str | Path) -> str:

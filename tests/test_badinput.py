@@ -86,8 +86,6 @@ def test_generate_refuses_headerless_and_overlong_audio(long_wav, tmp_path, caps
     assert code == 2 and "invalid choice: 'huge'" in err
 
 
-@pytest.mark.xfail(strict=True, reason="engine.generate lets torch.device's RuntimeError and PyAV's FileNotFoundError "
-                                       "through (generate.py belongs to another owner)")
 @pytest.mark.parametrize("args", [["--device", "nonsense"], ["--out", "/nonexistent-folder/o.mp4"]])
 def test_generate_names_a_bad_device_or_output_folder(args, capsys):
     from engine.generate import main
@@ -266,8 +264,6 @@ def test_bench_arguments_are_checked(argv, message, capsys):
     assert code == 2 and message in err
 
 
-@pytest.mark.xfail(strict=True, reason="engine.bench lets torch.device's RuntimeError through for a device name it "
-                                       "does not know (bench.py belongs to another owner)")
 def test_bench_names_an_unknown_device(capsys):
     from engine.bench import main
 
