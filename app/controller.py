@@ -159,7 +159,12 @@ class Controller:
                        fps=round(stats.get("fps", 0.0), 1), buffer_depth=stats.get("buffer_depth"),
                        underruns=stats.get("underruns"), steps=stats.get("steps"))
             offsets = sorted(shown.av_offsets_ms)
-            out["av_offset_ms"] = round(offsets[len(offsets) // 2]) if offsets else None
+            if offsets and out["fps"] < 0.95 * shown.character.spec.fps:
+                # Below real time the stream stalls between bursts and the browser's playout
+                # estimates for the two tracks stop being comparable: no figure beats a wrong one.
+                out["av_offset_ms"] = "n/a (engine below real time)"
+            else:
+                out["av_offset_ms"] = round(offsets[len(offsets) // 2]) if offsets else None
         else:
             out["state"] = "idle"
         return out

@@ -200,3 +200,20 @@ def test_the_app_serves_and_shuts_down_cleanly_on_interrupt(tmp_path):
             proc.kill()
     assert proc.returncode == 0, err[-2000:]
     assert f"talkloop: http://127.0.0.1:{port}" in err
+
+
+def test_av_offset_is_withheld_while_the_engine_is_below_real_time(tmp_path):
+    from app.controller import Controller
+
+    controller = Controller(_config(tmp_path))
+    try:
+        controller.start()
+        controller.stop()
+        shown = controller.shown()
+        shown.av_offsets_ms.extend([-201325.0, 5.0, 7.0])  # a stalled stream's estimates are not comparable
+        shown.stats = {**(shown.stats or {}), "fps": 2.1}
+        assert controller.health()["av_offset_ms"] == "n/a (engine below real time)"
+        shown.stats["fps"] = 24.0
+        assert controller.health()["av_offset_ms"] == 5
+    finally:
+        controller.close()
