@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash tools/gpu_suite.sh [tests|attention|step|cache|all]...
+#   bash tools/gpu_suite.sh [tests|attention|step|cache|pipeline|all|allreduce|soak|compare]...
+# soak and compare (the demo character's reliability and numerics verdicts) run only when named.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -30,5 +31,14 @@ for part in $parts; do
   fi
   if [[ $part == allreduce ]]; then  # needs 2+ GPUs
     run python3 -m engine.bench allreduce --json > "$OUT/allreduce_57b.json" && cat "$OUT/allreduce_57b.json"
+  fi
+  if [[ $part == soak ]]; then  # the serving path in real time, scripted turns; SOAK_SECONDS (default 600)
+    run python3 -m engine.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-600}" --trace "$OUT/soak_trace.jsonl" --json \
+      > "$OUT/soak_demo.json" && python3 -c "import json;r=json.load(open('$OUT/soak_demo.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
+  fi
+  if [[ $part == compare ]]; then  # every GPU fast path against the rerun band; COMPARE_CLIPS (default 24)
+    run python3 -m engine.quality compare --spec demo --a reference --b fp8-cache --b fp8-attention --b cuda-graph --b fp8-gemm \
+      --clips "${COMPARE_CLIPS:-24}" --clip-seconds 4 --json > "$OUT/compare_demo.json" \
+      && python3 -c "import json;r=json.load(open('$OUT/compare_demo.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
   fi
 done
