@@ -93,7 +93,7 @@ class EngineHost:
 
     def new_character(self, preset: str) -> tuple[RealtimeCharacter, object | None]:
         """A started character for a preset, and its distributed engine (None when local)."""
-        reference = self.codec.encode_reference(reference_image(preset, self.spec.image_size).to(self.codec_device))
+        reference = self.codec.encode_reference(reference_image(preset, self.spec.image_size))
         playout = PlayoutBuffer(fps=self.spec.fps, prebuffer=self.config.prebuffer, max_lead=self.config.max_lead)
         if self.placement is None:
             session = EngineSession(self.model)
@@ -107,11 +107,6 @@ class EngineHost:
             character = RealtimeCharacter(steps=steps, playout=playout, lookahead=1)
         character.start()
         return character, engine
-
-    @property
-    def codec_device(self) -> torch.device:
-        tensor = next(iter([*self.codec.parameters(), *self.codec.buffers()]), None)
-        return tensor.device if tensor is not None else torch.device("cpu")
 
     def close(self) -> None:
         with self._spare_lock:

@@ -38,6 +38,7 @@ import torch
 
 from engine import character as ch
 from engine.audio import SAMPLE_RATE, frame_sample
+from engine.weights import pick_device
 
 MAX_OFFSET = 15  # frames either side (SyncNet searches +-15 at 25 fps)
 _ENV_FLOOR_DB = -60.0
@@ -452,9 +453,7 @@ def check_config(config: EngineConfig, spec=None) -> None:
 
 
 def config_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    return pick_device(config.device)
 
 
 def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, weights: str | None = None,
