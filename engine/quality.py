@@ -311,6 +311,7 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel degree: processes (gloo on CPU, one GPU each on CUDA)
     fused_allreduce: bool = False  # MLP-out GEMM with its all-reduce overlapped (tp >= 2)
     processes: bool = False  # diffusion and decoding in their own processes (always so at tp >= 2)
+    decoder_gpu: int | None = None  # the decoder's own GPU (processes on CUDA); None: it shares rank 0's
     reset_every: int | None = None  # steps between position resets (None: the spec's)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
 
@@ -318,6 +319,7 @@ class EngineConfig:
         kv = self.kv_dtype if self.cache == "ring" else "float"
         extra = [f"tp={self.tp}"] if self.tp > 1 else (["processes"] if self.processes else [])
         extra += ["fused_allreduce"] if self.fused_allreduce else []
+        extra += [f"decoder_gpu={self.decoder_gpu}"] if self.decoder_gpu is not None else []
         extra += ["cuda_graph"] if self.cuda_graph else []
         extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
         return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
@@ -422,6 +424,13 @@ def check_config(config: EngineConfig, spec=None) -> None:
         raise ValueError(f"config {c.name}: cuda_graph needs a CUDA GPU; none is visible (a GPU-only fast path)")
     if c.device.startswith("cuda") and not gpu:
         raise ValueError(f"config {c.name}: device {c.device} asked for, but no CUDA GPU is visible")
+    if c.decoder_gpu is not None:
+        if not (c.processes or c.tp > 1) or not on_cuda:
+            raise ValueError(f"config {c.name}: decoder_gpu needs the engine's own processes on CUDA (processes=true or tp >= 2)")
+        if not 0 <= c.decoder_gpu < torch.cuda.device_count():
+            raise ValueError(f"config {c.name}: decoder_gpu {c.decoder_gpu} is not visible ({torch.cuda.device_count()} GPU(s))")
+        if c.decoder_gpu < c.tp:
+            raise ValueError(f"config {c.name}: decoder_gpu {c.decoder_gpu} is a diffusion GPU (0..{c.tp - 1})")
     if c.cache == "reference" and c.backend == "triton":
         raise ValueError(f"config {c.name}: the triton backend needs cache=ring")
     if c.cuda_graph:
@@ -472,7 +481,8 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
     if config.tp > 1 or config.processes:
         from engine.distributed import DistributedEngine, Placement
 
-        placement = (Placement(tuple(range(config.tp)), ()) if device.type == "cuda" else Placement(cpu_ranks=config.tp))
+        decoders = () if config.decoder_gpu is None else (config.decoder_gpu,)
+        placement = (Placement(tuple(range(config.tp)), decoders) if device.type == "cuda" else Placement(cpu_ranks=config.tp))
         engine = DistributedEngine(spec, placement, weights=weights, seed=weights_seed,
                                    session={**session_kwargs, "seed": noise_seed}, overlap=config.fused_allreduce)
         try:
