@@ -332,6 +332,92 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     return result
 
 
+def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: int, warmup: int, path: str) -> None:
+    import torch.distributed as dist
+
+    from engine.distributed import use_symmetric_combine_
+    from engine.session import EngineSession
+
+    device = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=device)
+    full = get_spec(spec_name)
+    model = random_shard(full, world, device, torch.bfloat16, fp8_gemms=True, seed=rank)
+    ref_latent = torch.randn(full.latent_channels, *full.latent_grid, device=device, dtype=torch.bfloat16)
+    audio = torch.zeros(full.frames_per_latent, full.n_mels, device=device)
+
+    def all_reduce(y: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(y)
+        return y
+
+    def run(comm: str) -> dict:
+        torch.cuda.reset_peak_memory_stats(device)
+        for block in model.blocks:
+            block.fused_combine = None
+        if comm == "none":  # the same shard with the reduction left out: what communication costs
+            for block in model.blocks:
+                block.reduce = lambda y: y
+        else:
+            for block in model.blocks:
+                block.reduce = all_reduce
+            if comm == "symmetric tiles":
+                use_symmetric_combine_(model, full.frame_tokens, device)
+        session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
+        session.start(ref_latent)
+        for _ in range(warmup):
+            session.push_audio_features(audio)
+            session.step()
+        times, resets = [], []
+        while len(times) < steps or not resets:
+            session.push_audio_features(audio)
+            reset = session.steps_done % session.cache.reset_every == 0
+            dist.barrier(device_ids=[rank])
+            (resets if reset else times).extend(_session_steps(session, 1, device))
+            if len(times) > steps + 2 * full.reset_every:
+                break
+        out = {"step_ms": statistics.median(times), "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))],
+               "steps_timed": len(times), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+        if resets:
+            out["reset_step_ms"] = statistics.median(resets)
+        del session
+        torch.cuda.empty_cache()
+        return out
+
+    result = {"bench": "step", "date": time.strftime("%Y-%m-%d"), "spec": full.name, "world": world,
+              "communication": "included: one all-reduce per block across the diffusion GPUs",
+              "path": "ring FP8 cache, FP8 attention, FP8 GEMMs, CUDA graph", "device": _device_name(device),
+              "torch": torch.__version__}
+    with torch.no_grad():
+        for comm in ("none", "nccl", "symmetric tiles"):
+            result[comm.replace(" ", "_")] = run(comm)
+    nccl, none, tiles = result["nccl"]["step_ms"], result["none"]["step_ms"], result["symmetric_tiles"]["step_ms"]
+    result["communication_ms"] = {"nccl": nccl - none, "symmetric_tiles": tiles - none}
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def bench_step_group(spec_name: str, world: int, steps: int, warmup: int) -> dict:
+    """The step on `world` GPUs, one tensor-parallel rank each, communication included: the reduction
+    left out, plain NCCL, and the fused GEMM + all-reduce over symmetric memory, in one run."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from engine.distributed import free_port
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        raise ValueError(f"--world {world} needs {world} visible GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    if get_spec(spec_name).n_heads % world:
+        raise ValueError(f"--world {world} must divide the {get_spec(spec_name).n_heads} heads of {spec_name}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/result.json"
+        mp.spawn(_step_group_worker, args=(world, free_port(), spec_name, steps, warmup, path), nprocs=world)
+        with open(path) as f:
+            return json.load(f)
+
+
 @torch.no_grad()
 def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int) -> dict:
     """One attention call at the production shape: FP8 kernel configurations vs SDPA in bf16."""
@@ -379,7 +465,17 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
             "configs": configs}
 
 
+TILE_SWEEP = ((128, 128, 8, 4), (128, 128, 4, 3), (128, 256, 8, 3), (64, 256, 4, 4))  # block_m, block_n, warps, stages
+
+
 def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeats: int, chunks: int, path: str) -> None:
+    """Every way of making a block's combine at the production shape, timed on each rank (rank 0 reports).
+
+    plain: the MLP-out GEMM, the gated sum, one NCCL all-reduce. row chunks: the same with each
+    chunk of rows reduced while the next is multiplied. symmetric tiles (GPUs): one kernel that
+    multiplies tile by tile and sums each tile from every rank's symmetric buffer (engine/kernels/
+    gemm_allreduce.py), in bf16 and with FP8 operands. Hidden share: (GEMM alone + all-reduce alone
+    - fused) / all-reduce alone."""
     import torch.distributed as dist
 
     from engine.distributed import OverlappedCombine
@@ -388,7 +484,7 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world, **({"device_id": device} if device.type == "cuda" else {}))
     spec = get_spec("characters-57b")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows, hidden = spec.frame_tokens, spec.mlp_hidden // world
@@ -398,33 +494,89 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
             super().__init__()
             self.mlp_out = torch.nn.Linear(hidden, spec.dim, bias=False, device=device, dtype=dtype)
 
+    g = torch.Generator(device=device).manual_seed(rank)
     block = _Block()
-    a = torch.randn(rows, spec.dim, device=device, dtype=dtype)
-    s = torch.randn(rows, hidden, device=device, dtype=dtype)
-    ga, gm = torch.randn(spec.dim, device=device, dtype=dtype), torch.randn(spec.dim, device=device, dtype=dtype)
+    a = torch.randn(rows, spec.dim, device=device, dtype=dtype, generator=g)
+    s = torch.randn(rows, hidden, device=device, dtype=dtype, generator=g)
+    ga = torch.randn(spec.dim, device=device, dtype=dtype, generator=g)
+    gm = torch.randn(spec.dim, device=device, dtype=dtype, generator=g)
+    w = block.mlp_out.weight
     fused = OverlappedCombine(block, rows, chunks=chunks, warmup=0)
+    y = torch.empty(rows, spec.dim, device=device, dtype=dtype)
 
-    def plain() -> None:
+    def plain() -> torch.Tensor:
         y = ga * a + gm * block.mlp_out(s)
         dist.all_reduce(y)
+        return y
 
-    def gemm_only() -> None:
-        ga * a + gm * block.mlp_out(s)
+    variants = {"unfused_us": plain, "row_chunks_us": lambda: fused(a, s, ga, gm),
+                "gemm_us": lambda: ga * a + gm * block.mlp_out(s), "allreduce_us": lambda: dist.all_reduce(y)}
+    checks: dict = {}
+    if device.type == "cuda":
+        from engine.kernels.fp8_linear import FP8Linear, quantize_rows
+        from engine.kernels.fused_block import gated_sum
+        from engine.kernels.gemm_allreduce import SymmetricGemmAllReduce
 
-    y = torch.empty(rows, spec.dim, device=device, dtype=dtype)
+        from engine.kernels.gemm_allreduce import launch
+
+        lin8 = FP8Linear(block.mlp_out)
+        s8, ss = quantize_rows(s)
+        fp8_in = dict(row_scale=ss.view(-1), col_scale=lin8.weight_scale.view(-1).contiguous())
+        epi = dict(gate=gm, residual=a, residual_gate=ga)
+        operands = {"bf16": (s, w, epi), "fp8": (s8, lin8.weight8, {**epi, **fp8_in})}
+        local = torch.tensor([y.data_ptr()], dtype=torch.int64, device=device)  # world 1: the GEMM part alone
+        no_flags = torch.tensor([torch.zeros(1, dtype=torch.int32, device=device).data_ptr()], dtype=torch.int64, device=device)
+
+        def plain_fp8() -> torch.Tensor:
+            y = gated_sum(a, lin8.forward_quantized(s8, ss), ga, gm)
+            dist.all_reduce(y)
+            return y
+
+        variants.update({"unfused_fp8_us": plain_fp8, "gemm_fp8_us": lambda: gated_sum(a, lin8.forward_quantized(s8, ss), ga, gm)})
+        sweep = {}  # tile shape and pipeline depth: the fused kernel at each, with its GEMM part alone
+        with torch.no_grad():
+            for block_m, block_n, num_warps, num_stages in TILE_SWEEP:
+                op = SymmetricGemmAllReduce(rows, spec.dim, device, block_m=block_m, block_n=block_n,
+                                            num_warps=num_warps, num_stages=num_stages)
+                for kind, (x_in, w_in, kw) in operands.items():
+                    key = f"{kind} {block_m}x{block_n} w{num_warps} s{num_stages}"
+                    fused_fn = lambda op=op, x_in=x_in, w_in=w_in, kw=kw: op(x_in, w_in, **kw)
+                    alone = lambda op=op, x_in=x_in, w_in=w_in, kw=kw: launch(
+                        x_in, w_in, torch.empty_like(y), local, no_flags, 0, 1, block_m=op.block_m, block_n=op.block_n,
+                        programs=op.programs, **op.kernel_options, **kw)
+                    ref = plain() if kind == "bf16" else plain_fp8()
+                    err = ((fused_fn().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    dist.barrier()
+                    sweep[key] = {"fused_us": 1000 * event_ms(fused_fn, device, repeats),
+                                  "gemm_alone_us": 1000 * event_ms(alone, device, repeats), "max_rel_diff_vs_nccl": err}
+        checks["sweep"] = sweep
     timings = {}
     with torch.no_grad():
-        for name, fn in (("unfused_us", plain), ("fused_us", lambda: fused(a, s, ga, gm)), ("gemm_us", gemm_only),
-                         ("allreduce_us", lambda: dist.all_reduce(y))):
+        for name, fn in variants.items():
             dist.barrier()
-            timings[name] = 1000 * statistics.median(time_ms(fn, device, repeats, warmup=5))
+            if device.type == "cuda":  # back to back between events, as the calls run inside a step
+                timings[name] = 1000 * event_ms(fn, device, repeats)
+            else:
+                timings[name] = 1000 * statistics.median(time_ms(fn, device, repeats, warmup=5))
     if rank == 0:
-        hidden_share = (timings["gemm_us"] + timings["allreduce_us"] - timings["fused_us"]) / timings["allreduce_us"]
+        def hidden_share(fused_key: str, gemm_key: str) -> float:
+            return (timings[gemm_key] + timings["allreduce_us"] - timings[fused_key]) / timings["allreduce_us"]
+
         result = {"bench": "allreduce", "date": time.strftime("%Y-%m-%d"), "world": world, "device": _device_name(device),
-                  "shape": [rows, spec.dim], "dtype": str(dtype).removeprefix("torch."), "chunks": chunks,
-                  "fused": "row chunks, each all-reduced asynchronously while the next is multiplied",
-                  **timings, "speedup": timings["unfused_us"] / timings["fused_us"], "allreduce_hidden_share": hidden_share,
+                  "shape": [rows, spec.dim], "inner_dim": hidden, "dtype": str(dtype).removeprefix("torch."), "chunks": chunks,
+                  "repeats": repeats, **timings,
+                  "row_chunks": {"speedup": timings["unfused_us"] / timings["row_chunks_us"],
+                                 "allreduce_hidden_share": hidden_share("row_chunks_us", "gemm_us")},
                   "torch": torch.__version__}
+        if "sweep" in checks:  # the best tile configuration per operand type, against plain NCCL
+            result["symmetric_tiles_sweep"] = checks["sweep"]
+            for kind, plain_key, gemm_key in (("bf16", "unfused_us", "gemm_us"), ("fp8", "unfused_fp8_us", "gemm_fp8_us")):
+                name, best = min(((k, v) for k, v in checks["sweep"].items() if k.startswith(kind)), key=lambda kv: kv[1]["fused_us"])
+                ar = timings["allreduce_us"]
+                result[f"symmetric_tiles_{kind}"] = {
+                    "config": name, **best, "speedup_vs_plain": timings[plain_key] / best["fused_us"],
+                    "allreduce_hidden_share": (timings[gemm_key] + ar - best["fused_us"]) / ar,
+                    "allreduce_hidden_share_vs_own_gemm": (best["gemm_alone_us"] + ar - best["fused_us"]) / ar}
         with open(path, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
@@ -488,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--decoder-gpu", default=None, help="e.g. 3")
     pl.add_argument("--steps", type=int, default=40)
     st.add_argument("--steps", type=int, default=20)
+    st.add_argument("--world", type=int, default=1,
+                    help="GPUs, one tensor-parallel rank each, communication included (default: one rank's share, no communication)")
     st.add_argument("--warmup", type=int, default=3)
     st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
@@ -514,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_pipeline(args.spec, placement, args.steps)
         elif device.type != "cuda":
             raise ValueError(f"the {args.bench} benchmark needs a CUDA GPU")
+        elif args.bench == "step" and args.world > 1:
+            result = bench_step_group(args.spec, args.world, args.steps, args.warmup)
         elif args.bench == "step":
             result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, json.loads(args.attention_options))
         else:

@@ -126,6 +126,53 @@ class OverlappedCombine:
         return y
 
 
+class SymmetricCombine:
+    """A block's combine as one kernel on GPUs: the MLP-out GEMM tile by tile, the gated sum in its
+    epilogue, and the all-reduce over symmetric memory (engine/kernels/gemm_allreduce.py).
+
+    `__call__` replaces `Block.combine` (bf16 linears); `fp8` is the fused block's `fused_combine`
+    (FP8 linears, activations already quantised). One op (buffer + flags) serves every block, since
+    blocks run one after another. The first `warmup` calls and any other shape take the plain path
+    (the GEMM, then NCCL).
+    """
+
+    def __init__(self, block, rows: int, op, warmup: int = 1):
+        self.block, self.rows, self.op, self.warmup = block, rows, op, warmup
+        self.calls = 0
+
+    def _fused_now(self, rows: int) -> bool:
+        self.calls += 1
+        return rows == self.rows and self.calls > self.warmup
+
+    def __call__(self, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
+        if a.ndim != 2 or not self._fused_now(a.shape[0]):
+            return _all_reduce(gate_attn * a + gate_mlp * self.block.mlp_out(s))
+        return self.op(s.contiguous(), self.block.mlp_out.weight, gate=gate_mlp.contiguous(), residual=a.contiguous(),
+                       residual_gate=gate_attn.contiguous())
+
+    def fp8(self, m8: torch.Tensor, sm: torch.Tensor, a: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
+        lin = self.block.mlp_out
+        if not self._fused_now(m8.shape[0]):
+            from engine.kernels.fused_block import gated_sum
+
+            return self.block.reduce(gated_sum(a, lin.forward_quantized(m8, sm), gate_attn, gate_mlp))
+        return self.op(m8, lin.weight8, row_scale=sm.view(-1), col_scale=lin.weight_scale.view(-1), gate=gate_mlp,
+                       residual=a, residual_gate=gate_attn)
+
+
+def use_symmetric_combine_(model, rows: int, device: torch.device) -> None:
+    """Every block of a sharded model on a GPU combines through one fused GEMM + all-reduce op."""
+    from engine.kernels.gemm_allreduce import SymmetricGemmAllReduce
+
+    op = SymmetricGemmAllReduce(rows, model.spec.dim, device)
+    for block in model.blocks:
+        combine = SymmetricCombine(block, rows, op)
+        if block.fused_forward is not None:
+            block.fused_combine = combine.fp8
+        else:
+            block.combine = combine
+
+
 @dataclass
 class _Job:
     spec: ModelSpec
@@ -154,10 +201,12 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                                 rank=rank, world_size=placement.tp)
         model, _, _ = load_engine(job.spec, weights=job.weights, device="cpu", seed=job.seed)
         shard_model_(model, rank, placement.tp, reduce=_all_reduce)
-        if job.overlap:
+        model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if job.overlap and device.type == "cuda":
+            use_symmetric_combine_(model, job.spec.frame_tokens, device)
+        elif job.overlap:
             for block in model.blocks:
                 block.combine = OverlappedCombine(block, job.spec.frame_tokens)
-        model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         session = EngineSession(model, **{"seed": job.seed, **job.session})  # a session seed overrides the weights' seed
         sent: deque[torch.Tensor] = deque(maxlen=16)
         outbox.put(("ready", rank, None))

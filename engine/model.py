@@ -68,6 +68,8 @@ class Block(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
         # Optional inference-only replacement with fused kernels (engine/kernels/fused_block.py).
         self.fused_forward: Callable | None = None
+        # With fused_forward: MLP-out GEMM + gated sum + all-reduce in one call (engine/distributed.py sets it).
+        self.fused_combine: Callable | None = None
 
     def reduce_is_identity(self) -> bool:
         return self.reduce is _identity

@@ -155,7 +155,6 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
          look: str = "ada", source: str | None = None, restarts: int = 0, progress=None) -> dict:
     """The session for `seconds`; an engine failure ends it cleanly, or, up to `restarts` times, a new
     engine takes over (turns go on; the gap shows as underruns and seconds below 24 fps)."""
-    from engine.media import Mp4Writer
     from engine.quality import default_audio_source, open_character, speech_clip
 
     faults = sorted(faults or [], key=lambda f: f.at)
@@ -178,7 +177,11 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
     live = LiveCharacter(opener, spec.fps, step_faults, step_times)
     live.start()
     fps, period = spec.fps, 1.0 / spec.fps
-    writer = Mp4Writer(record, fps, spec.image_size) if record else None
+    writer = None
+    if record:  # PyAV only when recording: a soak without --record runs where it is not installed
+        from engine.media import Mp4Writer
+
+        writer = Mp4Writer(record, fps, spec.image_size)
     t0 = time.monotonic()
     step_faults.clock_zero = t0
     trace = Trace(trace_path, t0)

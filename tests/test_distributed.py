@@ -147,3 +147,30 @@ def test_realtime_character_runs_unchanged_on_the_distributed_engine():
     assert played.size == frame_sample(20) and np.array_equal(played[: speech.size], speech)
     assert any(f.rgb.any() for f in got)
     assert max(abs(a.rgb.astype(int) - b.rgb.astype(int)).max() for a, b in zip(got, want)) <= 1
+
+
+GPU_SPEC = TINY.with_(name="tiny-gpu", dim=256, n_heads=4, mlp_hidden=512, latent_grid=(8, 8), reference_grid=(8, 8), sink_slots=66)
+
+
+def gpu_engine_frames(placement: Placement, overlap: bool = False) -> torch.Tensor:
+    with DistributedEngine(GPU_SPEC, placement, overlap=overlap, timeout=300) as engine:
+        engine.start(reference_latent(GPU_SPEC))
+        for t in range(STEPS):
+            engine.submit_step(torch.randn(4, GPU_SPEC.n_mels, generator=torch.Generator().manual_seed(t)), t * 4)
+        got = [engine.next_frames() for _ in range(STEPS)]
+    assert [i for i, _ in got] == list(range(STEPS))
+    return torch.stack([f for _, f in got]).float()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs two Hopper-class GPUs")
+def test_two_gpus_give_the_frames_of_one():
+    """bf16 on GPUs: TP2 (plain NCCL, then the fused GEMM + all-reduce) against one GPU, decoder on
+    its own GPU. Tolerance: mean |difference| <= 1 level of 255 and no pixel off by more than 12
+    (bf16 partial sums rounded in another order, over 7 steps of 4 passes)."""
+    one = gpu_engine_frames(Placement((0,), (1,)))
+    for overlap in (False, True):
+        two = gpu_engine_frames(Placement((0, 1), ()), overlap=overlap)
+        diff = (two - one).abs()
+        assert diff.mean().item() <= 1.0 and diff.max().item() <= 12, (overlap, diff.mean().item(), diff.max().item())

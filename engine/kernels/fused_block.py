@@ -121,8 +121,11 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
                             block.v_norm.weight, block.q_norm.eps)
     a = attend(q, k, v)  # (H, N, D)
     a = block.attn_out(a.transpose(0, 1).flatten(-2))
-    m = block.mlp_out.forward_quantized(*swiglu_quant(block.mlp_in.forward_quantized(h8, sh)))
+    m8, sm = swiglu_quant(block.mlp_in.forward_quantized(h8, sh))
     gate_attn, gate_mlp = gate_attn.contiguous(), gate_mlp.contiguous()
+    if block.fused_combine is not None:
+        return x + block.fused_combine(m8, sm, a, gate_attn, gate_mlp)
+    m = block.mlp_out.forward_quantized(m8, sm)
     if block.reduce_is_identity():
         return gated_sum(a, m, gate_attn, gate_mlp, x)
     return x + block.reduce(gated_sum(a, m, gate_attn, gate_mlp))
