@@ -360,8 +360,8 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
         else:
             for block in model.blocks:
                 block.reduce = all_reduce
-            if comm == "symmetric tiles":
-                use_symmetric_combine_(model, full.frame_tokens, device)
+            if comm.startswith("symmetric tiles"):
+                use_symmetric_combine_(model, full.frame_tokens, device, reducers=12 if "reducers" in comm else 0)
         session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
         session.start(ref_latent)
         for _ in range(warmup):
@@ -388,10 +388,10 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
               "path": "ring FP8 cache, FP8 attention, FP8 GEMMs, CUDA graph", "device": _device_name(device),
               "torch": torch.__version__}
     with torch.no_grad():
-        for comm in ("none", "nccl", "symmetric tiles"):
+        for comm in ("none", "nccl", "symmetric tiles", "symmetric tiles reducers"):
             result[comm.replace(" ", "_")] = run(comm)
-    nccl, none, tiles = result["nccl"]["step_ms"], result["none"]["step_ms"], result["symmetric_tiles"]["step_ms"]
-    result["communication_ms"] = {"nccl": nccl - none, "symmetric_tiles": tiles - none}
+    none = result["none"]["step_ms"]
+    result["communication_ms"] = {k: result[k]["step_ms"] - none for k in ("nccl", "symmetric_tiles", "symmetric_tiles_reducers")}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(result, f)
@@ -465,7 +465,8 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
             "configs": configs}
 
 
-TILE_SWEEP = ((128, 128, 8, 4), (128, 128, 4, 3), (128, 256, 8, 3), (64, 256, 4, 4))  # block_m, block_n, warps, stages
+# block_m, block_n, warps, stages, reducers (0: every program multiplies and reduces; else programs that only reduce)
+TILE_SWEEP = ((128, 128, 8, 4, 0), (128, 128, 8, 4, 12), (128, 128, 8, 4, 6), (64, 256, 4, 4, 12))
 
 
 def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeats: int, chunks: int, path: str) -> None:
@@ -517,7 +518,7 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
         from engine.kernels.fused_block import gated_sum
         from engine.kernels.gemm_allreduce import SymmetricGemmAllReduce
 
-        from engine.kernels.gemm_allreduce import launch
+        from engine.kernels.gemm_allreduce import launch, new_flags
 
         lin8 = FP8Linear(block.mlp_out)
         s8, ss = quantize_rows(s)
@@ -525,7 +526,6 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
         epi = dict(gate=gm, residual=a, residual_gate=ga)
         operands = {"bf16": (s, w, epi), "fp8": (s8, lin8.weight8, {**epi, **fp8_in})}
         local = torch.tensor([y.data_ptr()], dtype=torch.int64, device=device)  # world 1: the GEMM part alone
-        no_flags = torch.tensor([torch.zeros(1, dtype=torch.int32, device=device).data_ptr()], dtype=torch.int64, device=device)
 
         def plain_fp8() -> torch.Tensor:
             y = gated_sum(a, lin8.forward_quantized(s8, ss), ga, gm)
@@ -535,14 +535,16 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
         variants.update({"unfused_fp8_us": plain_fp8, "gemm_fp8_us": lambda: gated_sum(a, lin8.forward_quantized(s8, ss), ga, gm)})
         sweep = {}  # tile shape and pipeline depth: the fused kernel at each, with its GEMM part alone
         with torch.no_grad():
-            for block_m, block_n, num_warps, num_stages in TILE_SWEEP:
+            for block_m, block_n, num_warps, num_stages, reducers in TILE_SWEEP:
                 op = SymmetricGemmAllReduce(rows, spec.dim, device, block_m=block_m, block_n=block_n,
-                                            num_warps=num_warps, num_stages=num_stages)
+                                            num_warps=num_warps, num_stages=num_stages, reducers=reducers)
+                own_flags = new_flags(rows, spec.dim, 1, block_m=block_m, block_n=block_n).to(device)  # world 1's table
+                own_flag_ptr = torch.tensor([own_flags.data_ptr()], dtype=torch.int64, device=device)
                 for kind, (x_in, w_in, kw) in operands.items():
-                    key = f"{kind} {block_m}x{block_n} w{num_warps} s{num_stages}"
+                    key = f"{kind} {block_m}x{block_n} w{num_warps} s{num_stages} r{reducers}"
                     fused_fn = lambda op=op, x_in=x_in, w_in=w_in, kw=kw: op(x_in, w_in, **kw)
-                    alone = lambda op=op, x_in=x_in, w_in=w_in, kw=kw: launch(
-                        x_in, w_in, torch.empty_like(y), local, no_flags, 0, 1, block_m=op.block_m, block_n=op.block_n,
+                    alone = lambda op=op, x_in=x_in, w_in=w_in, kw=kw, f=own_flag_ptr: launch(
+                        x_in, w_in, torch.empty_like(y), local, f, 0, 1, block_m=op.block_m, block_n=op.block_n,
                         programs=op.programs, **op.kernel_options, **kw)
                     ref = plain() if kind == "bf16" else plain_fp8()
                     err = ((fused_fn().float() - ref.float()).abs().max() / ref.float().abs().max()).item()

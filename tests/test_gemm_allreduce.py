@@ -52,12 +52,12 @@ def _linear_with(w: torch.Tensor) -> torch.nn.Linear:
     return lin
 
 
-def _emulated_worker(rows: int, cols: int, inner: int, fp8: bool, path: str) -> None:
+def _emulated_worker(rows: int, cols: int, inner: int, fp8: bool, reducers: int, path: str) -> None:
     from engine.kernels.gemm_allreduce import BLOCK_DEFAULTS, READY, gemm_all_reduce_reference, launch, new_flags
 
     device, world = torch.device("cuda"), 2
     bufs = [torch.zeros(rows, cols, device=device, dtype=torch.bfloat16) for _ in range(world)]
-    flags = [new_flags(rows, cols, world, r, **BLOCK_DEFAULTS).to(device) for r in range(world)]
+    flags = [new_flags(rows, cols, world, **BLOCK_DEFAULTS).to(device) for r in range(world)]
     buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=device)
     flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=device)
     streams = [torch.cuda.Stream() for _ in range(world)]
@@ -65,10 +65,10 @@ def _emulated_worker(rows: int, cols: int, inner: int, fp8: bool, path: str) -> 
     # loads its module, which could wait behind a peer kernel already spinning on the same GPU.
     for r, (x, w, epi) in enumerate(make_inputs(q, rows, cols, inner, device, fp8) for q in range(world)):
         flags[r][int(READY)] = 1
-        launch(x, w, torch.empty(rows, cols, device=device, dtype=torch.bfloat16), buf_ptrs, flag_ptrs, r, world, programs=16, **epi)
+        launch(x, w, torch.empty(rows, cols, device=device, dtype=torch.bfloat16), buf_ptrs, flag_ptrs, r, world, programs=16, reducers=reducers, **epi)
         torch.cuda.synchronize()
         for q in range(world):
-            flags[q].copy_(new_flags(rows, cols, world, q, **BLOCK_DEFAULTS))
+            flags[q].copy_(new_flags(rows, cols, world, **BLOCK_DEFAULTS))
     report = {"errors": [], "ranks_equal": [], "flags_at_rest": None}
     for step in range(4):  # repeated calls: the flags must come back to their resting state each time
         inputs = [make_inputs(r, rows, cols, inner, device, fp8, step) for r in range(world)]
@@ -78,11 +78,11 @@ def _emulated_worker(rows: int, cols: int, inner: int, fp8: bool, path: str) -> 
         torch.cuda.synchronize()
         for r, (x, w, epi) in enumerate(inputs):  # both ranks resident at once: a few SMs each
             with torch.cuda.stream(streams[r]):
-                launch(x, w, outs[r], buf_ptrs, flag_ptrs, r, world, programs=16, **epi)
+                launch(x, w, outs[r], buf_ptrs, flag_ptrs, r, world, programs=16, reducers=reducers, **epi)
         torch.cuda.synchronize()
         report["errors"] += [rel_err(out, want) for out in outs]
         report["ranks_equal"].append(torch.equal(outs[0], outs[1]))  # the same sum, in the same order
-    report["flags_at_rest"] = all(torch.equal(flags[r].cpu(), new_flags(rows, cols, world, r, **BLOCK_DEFAULTS))
+    report["flags_at_rest"] = all(torch.equal(flags[r].cpu(), new_flags(rows, cols, world, **BLOCK_DEFAULTS))
                                   for r in range(world))
     with open(path, "w") as f:
         json.dump(report, f)
@@ -92,12 +92,13 @@ def _emulated_worker(rows: int, cols: int, inner: int, fp8: bool, path: str) -> 
 @pytest.mark.skipif(not hopper(), reason="the fused kernel needs a Hopper-class GPU")
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("rows,cols,inner", SHAPES)
-def test_two_emulated_ranks_on_one_gpu_sum_like_the_reference(rows, cols, inner, fp8, tmp_path):
+@pytest.mark.parametrize("reducers", [0, 4])
+def test_two_emulated_ranks_on_one_gpu_sum_like_the_reference(rows, cols, inner, fp8, reducers, tmp_path):
     """In a child process with a deadline: a protocol bug shows as a hang, which must fail the test, not stop the suite."""
     import multiprocessing
 
     path = str(tmp_path / "report.json")
-    child = multiprocessing.get_context("spawn").Process(target=_emulated_worker, args=(rows, cols, inner, fp8, path))
+    child = multiprocessing.get_context("spawn").Process(target=_emulated_worker, args=(rows, cols, inner, fp8, reducers, path))
     child.start()
     child.join(timeout=120)
     if child.is_alive():
@@ -118,12 +119,12 @@ def _two_gpu_worker(rank: int, world: int, port: int, path: str) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, device_id=device)
     rows, cols, inner = SHAPES[0]
     errors = {}
-    for fp8 in (False, True):
-        op = SymmetricGemmAllReduce(rows, cols, device)
+    for fp8, reducers in ((False, 0), (True, 0), (False, 12), (True, 12)):
+        op = SymmetricGemmAllReduce(rows, cols, device, reducers=reducers)
         for step in range(6):
             x, w, epi = make_inputs(rank, rows, cols, inner, device, fp8, step)
             want = gemm_all_reduce_reference(x, w, lambda y: (dist.all_reduce(y), y)[1], **epi)
-            errors[f"fp8={fp8} step={step}"] = rel_err(op(x, w, **epi), want)
+            errors[f"fp8={fp8} reducers={reducers} step={step}"] = rel_err(op(x, w, **epi), want)
         # Captured in a CUDA graph and replayed: the flags reset themselves, no host epoch.
         x, w, epi = make_inputs(rank, rows, cols, inner, device, fp8, 99)
         want = gemm_all_reduce_reference(x, w, lambda y: (dist.all_reduce(y), y)[1], **epi)
@@ -135,7 +136,7 @@ def _two_gpu_worker(rank: int, world: int, port: int, path: str) -> None:
             out.zero_()
             graph.replay()
             torch.cuda.synchronize()
-            errors[f"fp8={fp8} graph replay {replay}"] = rel_err(out, want)
+            errors[f"fp8={fp8} reducers={reducers} graph replay {replay}"] = rel_err(out, want)
     with open(f"{path}.{rank}", "w") as f:
         json.dump(errors, f)
     dist.destroy_process_group()
@@ -164,14 +165,14 @@ def test_two_gpus_match_nccl(tmp_path):
 
 
 def test_flag_tables_start_at_rest():
-    """READY clear everywhere; DONE raised for every peer (nobody reads yet), never for oneself."""
+    """READY clear everywhere; DONE raised for every rank, oneself included (nobody reads yet)."""
     from engine.kernels.gemm_allreduce import DONE, READY, new_flags, tile_count
 
-    flags = new_flags(757, 7680, 3, 1, block_m=128, block_n=128)
+    flags = new_flags(757, 7680, 3, block_m=128, block_n=128)
     READY, DONE = int(READY), int(DONE)
     assert flags.shape == (2, tile_count(757, 7680, 128, 128), 3) == (2, 6 * 60, 3)
     assert flags[READY].sum() == 0
-    assert flags[DONE, :, 1].sum() == 0 and (flags[DONE, :, [0, 2]] == 1).all()
+    assert (flags[DONE] == 1).all()
 
 
 def test_reference_path_sums_partials_over_ranks():
@@ -184,3 +185,30 @@ def test_reference_path_sums_partials_over_ranks():
     y = gemm_all_reduce_reference(x, w, lambda t: 2 * t, gate=gate, residual=res, residual_gate=rgate)
     want = (2 * ((x @ w.t()) * gate + res * rgate).to(torch.bfloat16))
     assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not hopper(), reason="the fused kernel needs a Hopper-class GPU")
+@pytest.mark.parametrize("reducers", [0, 2])
+def test_one_rank_runs_the_whole_protocol(reducers):
+    """World 1 (in Triton's interpreter on the CPU): product, epilogue, the rank's own flags raised and
+    cleared, the reduction; two calls in a row, the flags back at rest after each. fp16 operands (the
+    interpreter mis-reads bf16 through tensor descriptors; the GPU takes both)."""
+    from engine.kernels.gemm_allreduce import gemm_all_reduce_reference, launch, new_flags
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(0)
+    M, N, K = 40, 48, 64  # ragged tiles at both edges
+    x = torch.randn(M, K, generator=g).half().to(device)
+    w = (torch.randn(N, K, generator=g) / 8).half().to(device)
+    epi = dict(gate=torch.randn(N, generator=g).to(device, torch.bfloat16), residual=torch.randn(M, N, generator=g).to(device, torch.bfloat16),
+               residual_gate=torch.randn(N, generator=g).to(device, torch.bfloat16))
+    tile = dict(block_m=16, block_n=16)
+    buf = torch.zeros(M, N, dtype=torch.bfloat16, device=device)
+    flags = new_flags(M, N, 1, **tile).to(device)
+    ptrs = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device=device)
+    want = gemm_all_reduce_reference(x, w, lambda y: y, **epi)
+    for _ in range(2):
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=device)
+        launch(x, w, out, ptrs(buf), ptrs(flags), 0, 1, block_k=32, programs=5, reducers=reducers, **tile, **epi)
+        assert rel_err(out, want) < TOL
+        assert torch.equal(flags.cpu(), new_flags(M, N, 1, **tile))

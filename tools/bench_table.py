@@ -105,7 +105,8 @@ def two_gpus() -> list[str]:
     step = load("step_57b_x2_h200.json")
     if step:
         rows = (("none", "reduction left out (compute only)"), ("nccl", "NCCL all-reduce"),
-                ("symmetric_tiles", "fused GEMM + all-reduce (symmetric memory)"))
+                ("symmetric_tiles", "fused GEMM + all-reduce (symmetric memory)"),
+                ("symmetric_tiles_reducers", "fused, 12 programs only reducing"))
         out += ["### The 57b step on two GPUs, communication included", "",
                 f"Run {step['date']}. Tensor-parallel degree {step['world']}, one process per GPU; {step['path']}; random weights; "
                 "median over the steady-state steps after warm-up, ranks aligned by a barrier before each step; one all-reduce "
@@ -115,6 +116,8 @@ def two_gpus() -> list[str]:
                 "| block reduction | step ms (median) | p90 | reset step ms | communication ms per step | peak GB per GPU |",
                 "|---|---|---|---|---|---|"]
         for key, label in rows:
+            if key not in step:
+                continue
             r = step[key]
             comm = step["communication_ms"].get(key)
             out.append(f"| {label} | {ms(r['step_ms'])} | {ms(r['step_ms_p90'])} | {ms(r['reset_step_ms'])} | "

@@ -34,28 +34,62 @@ BLOCK_DEFAULTS = dict(block_m=128, block_n=128)  # output tile; every rank must 
 
 @triton.jit
 def _wait_and_clear(flag_ptr):
-    # Owner side: the peer set the flag to 1; take it back to 0 (acquire: its writes are now visible).
+    # Owner side: a rank set the flag to 1; take it back to 0 (acquire: its writes are now visible).
     while tl.atomic_cas(flag_ptr, 1, 0, sem="acquire", scope="sys") != 1:
         pass
 
 
 @triton.jit
-def _raise_on_peers(flag_tables, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
-    # Release: every thread's stores before the barrier happen-before the peer sees the flag.
+def _wait_all(my_flags, slot, WORLD: tl.constexpr):
+    for r in tl.static_range(WORLD):
+        _wait_and_clear(my_flags + slot * WORLD + r)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _raise_on_all(flag_tables, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
+    # Release: every thread's stores before the barrier happen-before a rank sees the flag.
     tl.debug_barrier()
     for r in tl.static_range(WORLD):
-        if r != RANK:
-            peer_flags = tl.load(flag_tables + r).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(peer_flags + slot * WORLD + RANK, 1, sem="release", scope="sys")
+        flags = tl.load(flag_tables + r).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(flags + slot * WORLD + RANK, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, my_buf, flag_tables, my_flags,
+                   M, N, K, num_m, tiles, RANK: tl.constexpr, WORLD: tl.constexpr,
+                   HAS_ROW_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    m0 = (tile % num_m) * BLOCK_M
+    n0 = (tile // num_m) * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = a_desc.load([m0, k])  # (BLOCK_M, BLOCK_K)
+        b = b_desc.load([n0, k])  # (BLOCK_N, BLOCK_K): w is (N, K), K-major as the tensor cores want
+        acc = tl.dot(a, b.T, acc)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    if HAS_ROW_SCALE:
+        acc *= tl.load(row_scale + rows, mask=row_ok, other=0.0)[:, None]
+    if HAS_COL_SCALE:
+        acc *= tl.load(col_scale + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_GATE:
+        acc *= tl.load(gate + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    offs = rows[:, None] * N + cols[None, :]
+    if HAS_RESIDUAL:
+        res = tl.load(residual + offs, mask=ok, other=0.0).to(tl.float32)
+        acc += res * tl.load(residual_gate + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    _wait_all(my_flags, DONE * tiles + tile, WORLD)  # every rank has finished reading this tile from the last call
+    tl.store(my_buf + offs, acc.to(tl.bfloat16), mask=ok)
+    _raise_on_all(flag_tables, READY * tiles + tile, RANK, WORLD)
 
 
 @triton.jit
 def _reduce_tile(tile, out, bufs, flag_tables, my_flags, M, N, num_m, tiles,
                  RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            _wait_and_clear(my_flags + (READY * tiles + tile) * WORLD + r)
-    tl.debug_barrier()
+    _wait_all(my_flags, READY * tiles + tile, WORLD)  # every rank's partial of this tile is in its buffer
     rows = (tile % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (tile // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (rows[:, None] < M) & (cols[None, :] < N)
@@ -65,13 +99,13 @@ def _reduce_tile(tile, out, bufs, flag_tables, my_flags, M, N, num_m, tiles,
         buf = tl.load(bufs + r).to(tl.pointer_type(tl.bfloat16))
         total += tl.load(buf + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + offs, total.to(out.dtype.element_ty), mask=ok)
-    _raise_on_peers(flag_tables, DONE * tiles + tile, RANK, WORLD)  # our reads of the peers' tile are over
+    _raise_on_all(flag_tables, DONE * tiles + tile, RANK, WORLD)  # our reads of every rank's tile are over
 
 
 @triton.jit
 def _gemm_all_reduce_kernel(a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, out,
                             bufs, flag_tables, M, N, K,
-                            RANK: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr,
+                            RANK: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr, REDUCERS: tl.constexpr,
                             HAS_ROW_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, HAS_GATE: tl.constexpr,
                             HAS_RESIDUAL: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -79,54 +113,39 @@ def _gemm_all_reduce_kernel(a_desc, b_desc, row_scale, col_scale, gate, residual
     tiles = num_m * tl.cdiv(N, BLOCK_N)
     my_buf = tl.load(bufs + RANK).to(tl.pointer_type(tl.bfloat16))
     my_flags = tl.load(flag_tables + RANK).to(tl.pointer_type(tl.int32))
-    previous = -1
+    pid = tl.program_id(0)
     # Tiles run down the M axis first, so the programs at work share the weight columns they read.
-    for tile in range(tl.program_id(0), tiles, PROGRAMS):
-        m0 = (tile % num_m) * BLOCK_M
-        n0 = (tile // num_m) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            a = a_desc.load([m0, k])  # (BLOCK_M, BLOCK_K)
-            b = b_desc.load([n0, k])  # (BLOCK_N, BLOCK_K): w is (N, K), K-major as the tensor cores want
-            acc = tl.dot(a, b.T, acc)
-        rows = m0 + tl.arange(0, BLOCK_M)
-        cols = n0 + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < M, cols < N
-        if HAS_ROW_SCALE:
-            acc *= tl.load(row_scale + rows, mask=row_ok, other=0.0)[:, None]
-        if HAS_COL_SCALE:
-            acc *= tl.load(col_scale + cols, mask=col_ok, other=0.0)[None, :]
-        if HAS_GATE:
-            acc *= tl.load(gate + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
-        offs = rows[:, None] * N + cols[None, :]
-        if HAS_RESIDUAL:
-            res = tl.load(residual + offs, mask=ok, other=0.0).to(tl.float32)
-            acc += res * tl.load(residual_gate + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        # Peers may still be reading this tile from the last call.
-        for r in tl.static_range(WORLD):
-            if r != RANK:
-                _wait_and_clear(my_flags + (DONE * tiles + tile) * WORLD + r)
-        tl.store(my_buf + offs, acc.to(tl.bfloat16), mask=ok)
-        _raise_on_peers(flag_tables, READY * tiles + tile, RANK, WORLD)
+    if REDUCERS == 0:  # every program multiplies its tiles and reduces each one a tile later
+        previous = -1
+        for tile in range(pid, tiles, PROGRAMS):
+            _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, my_buf, flag_tables,
+                           my_flags, M, N, K, num_m, tiles, RANK, WORLD, HAS_ROW_SCALE, HAS_COL_SCALE, HAS_GATE,
+                           HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K)
+            if previous >= 0:
+                _reduce_tile(previous, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, BLOCK_M, BLOCK_N)
+            previous = tile
         if previous >= 0:
             _reduce_tile(previous, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, BLOCK_M, BLOCK_N)
-        previous = tile
-    if previous >= 0:
-        _reduce_tile(previous, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, BLOCK_M, BLOCK_N)
+    elif pid < PROGRAMS - REDUCERS:  # multipliers
+        for tile in range(pid, tiles, PROGRAMS - REDUCERS):
+            _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, my_buf, flag_tables,
+                           my_flags, M, N, K, num_m, tiles, RANK, WORLD, HAS_ROW_SCALE, HAS_COL_SCALE, HAS_GATE,
+                           HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:  # reducers: tiles in the order the multipliers finish them, summed while the product goes on
+        for tile in range(pid - (PROGRAMS - REDUCERS), tiles, REDUCERS):
+            _reduce_tile(tile, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, BLOCK_M, BLOCK_N)
 
 
 def tile_count(rows: int, cols: int, block_m: int, block_n: int) -> int:
     return triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
 
 
-def new_flags(rows: int, cols: int, world: int, rank: int, *, block_m: int, block_n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A rank's flag table: READY all clear, DONE all raised (no peer is reading anything yet)."""
+def new_flags(rows: int, cols: int, world: int, *, block_m: int, block_n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A rank's flag table (tile, source rank): READY all clear, DONE all raised (nobody is reading yet)."""
     tiles = tile_count(rows, cols, block_m, block_n)
     flags = torch.zeros(2, tiles, world, dtype=torch.int32) if out is None else out.view(2, tiles, world)
     flags.zero_()
     flags[int(DONE)] = 1
-    flags[int(DONE), :, rank] = 0
     return flags
 
 
@@ -134,9 +153,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, buffer_ptrs
            rank: int, world: int, *, row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None,
            gate: torch.Tensor | None = None, residual: torch.Tensor | None = None, residual_gate: torch.Tensor | None = None,
            block_m: int = 128, block_n: int = 128, block_k: int | None = None, programs: int | None = None,
-           num_warps: int = 8, num_stages: int = 4) -> torch.Tensor:
+           reducers: int = 0, num_warps: int = 8, num_stages: int = 4) -> torch.Tensor:
     """One rank's launch. `buffer_ptrs` / `flag_ptrs`: int64 device tensors holding every rank's
-    (rows, cols) bf16 buffer and flag table addresses; `programs` must be the same on every rank."""
+    (rows, cols) bf16 buffer and flag table addresses; `programs` and `reducers` must be the same on
+    every rank. `reducers` = 0: every program multiplies and reduces; else that many programs only
+    reduce (tiles as they are finished) while the others only multiply. All programs must be
+    resident at once: at most one per SM."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = x.shape
@@ -145,14 +167,16 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, buffer_ptrs
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
     block_k = block_k or (128 if x.element_size() == 1 else 64)
     tiles = tile_count(M, N, block_m, block_n)
-    programs = min(tiles, programs or torch.cuda.get_device_properties(x.device).multi_processor_count)
+    programs = min(tiles + reducers, programs or torch.cuda.get_device_properties(x.device).multi_processor_count)
+    if not 0 <= reducers < programs:
+        raise ValueError(f"reducers must be in [0, {programs}), got {reducers}")
     a_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     b_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
     dummy = out
     args = (a_desc, b_desc, dummy if row_scale is None else row_scale, dummy if col_scale is None else col_scale,
             dummy if gate is None else gate, dummy if residual is None else residual,
             dummy if residual_gate is None else residual_gate, out, buffer_ptrs, flag_ptrs, M, N, K)
-    meta = dict(RANK=rank, WORLD=world, PROGRAMS=programs, HAS_ROW_SCALE=row_scale is not None,
+    meta = dict(RANK=rank, WORLD=world, PROGRAMS=programs, REDUCERS=reducers, HAS_ROW_SCALE=row_scale is not None,
                 HAS_COL_SCALE=col_scale is not None, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     _gemm_all_reduce_kernel[(programs,)](*args, **meta)
@@ -181,20 +205,20 @@ class SymmetricGemmAllReduce:
     constructs it, in the same order, with the same arguments."""
 
     def __init__(self, rows: int, cols: int, device: torch.device, group=None, *, block_m: int = 128, block_n: int = 128,
-                 programs: int | None = None, **kernel_options):
+                 programs: int | None = None, reducers: int = 0, **kernel_options):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.rows, self.cols, self.block_m, self.block_n = rows, cols, block_m, block_n
-        self.kernel_options = kernel_options  # block_k, num_warps, num_stages
+        self.kernel_options = dict(kernel_options, reducers=reducers)  # + block_k, num_warps, num_stages
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.programs = min(tile_count(rows, cols, block_m, block_n), programs or sms)
+        self.programs = min(tile_count(rows, cols, block_m, block_n) + reducers, programs or sms)
         self.buffer = symm_mem.empty((rows, cols), dtype=torch.bfloat16, device=device)
         tiles = tile_count(rows, cols, block_m, block_n)
         self.flags = symm_mem.empty((2 * tiles * self.world,), dtype=torch.int32, device=device)
-        new_flags(rows, cols, self.world, self.rank, block_m=block_m, block_n=block_n, out=self.flags)
+        new_flags(rows, cols, self.world, block_m=block_m, block_n=block_n, out=self.flags)
         self._buffer_handle = symm_mem.rendezvous(self.buffer, group.group_name)
         self._flag_handle = symm_mem.rendezvous(self.flags, group.group_name)
         self.buffer_ptrs = torch.tensor(self._buffer_handle.buffer_ptrs, dtype=torch.int64, device=device)
