@@ -96,6 +96,11 @@ def two_gpus() -> list[str]:
     gpu = host.read_text().strip().replace("\n", "; ")
     out = ["## Two GPUs", "", f"Hardware: {gpu}. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.", ""]
     tests = RESULTS / "pytest_gpu_x2.txt"
+    kernel_tests = RESULTS / "pytest_gemm_allreduce_x2.txt"
+    if kernel_tests.is_file():
+        out += ["Fused kernel alone, both program layouts, bf16 and FP8, with CUDA-graph replay "
+                "(`python -m pytest -q tests/test_gemm_allreduce.py -k \"two_gpus or one_rank\"`, output "
+                f"`docs/results/pytest_gemm_allreduce_x2.txt`): `{kernel_tests.read_text().strip().splitlines()[-1]}`.", ""]
     if tests.is_file():
         out += ["Correctness (`python -m pytest -q tests/test_gemm_allreduce.py tests/test_distributed.py -k two_gpus`, "
                 "output `docs/results/pytest_gpu_x2.txt`): tensor-parallel degree 2 gives the frames of one GPU (plain NCCL "
@@ -140,11 +145,17 @@ def two_gpus() -> list[str]:
                            f"({f['config'].split(' ', 1)[1]}) | {f['gemm_alone_us']:.1f} | {f['speedup_vs_plain']:.2f}x | "
                            f"{100 * f['allreduce_hidden_share']:.0f}% |")
         chunks = ar["row_chunks"]
-        out += ["", "The fused kernel is correct and its GEMM part runs at cuBLAS's pace, but it hides none of the "
-                "all-reduce yet: each program reduces its previous tile right after multiplying the next, so every SM stops "
-                "multiplying at the same moments to wait on NVLink reads, and the reduction runs in series with the "
-                "product instead of beside it. Giving a few programs the reduction alone (tiles summed as the peers "
-                "finish them) while the rest multiply is the next design to measure.",
+        out += ["", "Every configuration measured (`r`: programs that only reduce; 0: each program reduces its previous "
+                "tile after multiplying the next):", "", "| configuration | fused us | its GEMM part alone us | max relative "
+                "difference from NCCL |", "|---|---|---|---|"]
+        out += [f"| {k} | {v['fused_us']:.1f} | {v['gemm_alone_us']:.1f} | {v['max_rel_diff_vs_nccl']:.4f} |"
+                for k, v in ar.get("symmetric_tiles_sweep", {}).items()]
+        out += ["", "The fused kernel is correct and its GEMM part runs near cuBLAS's pace, but it hides none of the "
+                "all-reduce yet. With r0 every program stops multiplying at the same moments to wait on NVLink reads, so "
+                "the reduction runs in series with the product. With programs set aside to reduce, the product loses "
+                "those SMs and the few reducers, each pulling one 128 x 128 tile at a time over NVLink, are latency-bound "
+                "and finish long after it. What remains to try: more loads in flight per reducer (several tiles at once), "
+                "pushing each finished tile to the peers from the multiplier instead of pulling it, and FP8 partials.",
                 "", f"Row chunks ({ar['chunks']} chunks, each reduced asynchronously while the next is multiplied): "
                 f"{ar['row_chunks_us']:.1f} us, {chunks['speedup']:.2f}x the plain path.", ""]
     pipe = load("pipeline_demo_x2_h200.json")
