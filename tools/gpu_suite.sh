@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash tools/gpu_suite.sh [tests|attention|step|cache|pipeline|all|allreduce|soak|compare]...
-# soak and compare (the demo character's reliability and numerics verdicts) run only when named.
+#   bash tools/gpu_suite.sh [tests|attention|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare]...
+# soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
+# two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1).
+# A 10-minute soak outlasts one device call: soak-start leaves it running detached (setsid) and
+# soak-collect, in the next call on the same machine, waits for it and copies its report to $OUT.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -35,6 +38,29 @@ for part in $parts; do
   if [[ $part == soak ]]; then  # the serving path in real time, scripted turns; SOAK_SECONDS (default 600)
     run python3 -m engine.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-600}" --trace "$OUT/soak_trace.jsonl" --json \
       > "$OUT/soak_demo.json" && python3 -c "import json;r=json.load(open('$OUT/soak_demo.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
+  fi
+  if [[ $part == x2 ]]; then  # two GPUs: correctness, the step with communication, the fused all-reduce, the decoder's own GPU
+    run python3 -m pytest -q -p no:cacheprovider tests/test_gemm_allreduce.py tests/test_distributed.py -k "two_gpus or one_rank" \
+      2>&1 | tee "$OUT/pytest_gpu_x2.txt" | tail -3
+    run python3 -m engine.bench step --spec characters-57b --world 2 --json > "$OUT/step_57b_x2.json" && cat "$OUT/step_57b_x2.json"
+    run python3 -m engine.bench allreduce --json > "$OUT/allreduce_57b_x2.json" && tail -c 600 "$OUT/allreduce_57b_x2.json"
+    run python3 -m engine.bench pipeline --spec demo --gpus 0,1 --decoder-gpu 1 --json > "$OUT/pipeline_demo_x2.json" && cat "$OUT/pipeline_demo_x2.json"
+  fi
+  if [[ $part == session2 ]]; then  # the trained demo character, diffusion on GPU 0, decoder on GPU 1; SESSION_SECONDS (default 300)
+    run python3 -m engine.soak --spec demo --config cuda-graph,processes=true,decoder_gpu=1 --seconds "${SESSION_SECONDS:-300}" \
+      --trace "$OUT/session_x2_trace.jsonl" --json > "$OUT/session_demo_x2.json" \
+      && python3 -c "import json;r=json.load(open('$OUT/session_demo_x2.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
+  fi
+  if [[ $part == soak-start ]]; then
+    mkdir -p /tmp/talkloop_soak && rm -f /tmp/talkloop_soak/*
+    setsid nohup python3 -m engine.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-600}" \
+      --trace /tmp/talkloop_soak/soak_trace.jsonl --json > /tmp/talkloop_soak/soak_demo.json 2> /tmp/talkloop_soak/soak.err < /dev/null &
+    sleep 20; tail -3 /tmp/talkloop_soak/soak.err; head -3 /tmp/talkloop_soak/soak_trace.jsonl  # started, or why not
+  fi
+  if [[ $part == soak-collect ]]; then
+    while pgrep -f "engine.soak --spec demo --config cuda-graph --seconds" > /dev/null; do sleep 5; done
+    cp /tmp/talkloop_soak/* "$OUT/" && tail -3 "$OUT/soak.err"
+    python3 -c "import json;r=json.load(open('$OUT/soak_demo.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
   fi
   if [[ $part == compare ]]; then  # every GPU fast path against the rerun band; COMPARE_CLIPS (default 24)
     run python3 -m engine.quality compare --spec demo --a reference --b fp8-cache --b fp8-attention --b cuda-graph --b fp8-gemm \
