@@ -361,7 +361,7 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
             for block in model.blocks:
                 block.reduce = all_reduce
             if comm.startswith("symmetric tiles"):
-                use_symmetric_combine_(model, full.frame_tokens, device, reducers=12 if "reducers" in comm else 0)
+                use_symmetric_combine_(model, full.frame_tokens, device, push=comm.endswith("push"))
         session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
         session.start(ref_latent)
         for _ in range(warmup):
@@ -388,10 +388,10 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
               "path": "ring FP8 cache, FP8 attention, FP8 GEMMs, CUDA graph", "device": _device_name(device),
               "torch": torch.__version__}
     with torch.no_grad():
-        for comm in ("none", "nccl", "symmetric tiles", "symmetric tiles reducers"):
+        for comm in ("none", "nccl", "symmetric tiles", "symmetric tiles push"):
             result[comm.replace(" ", "_")] = run(comm)
     none = result["none"]["step_ms"]
-    result["communication_ms"] = {k: result[k]["step_ms"] - none for k in ("nccl", "symmetric_tiles", "symmetric_tiles_reducers")}
+    result["communication_ms"] = {k: result[k]["step_ms"] - none for k in ("nccl", "symmetric_tiles", "symmetric_tiles_push")}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(result, f)
@@ -465,8 +465,9 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
             "configs": configs}
 
 
-# block_m, block_n, warps, stages, reducers (0: every program multiplies and reduces; else programs that only reduce)
-TILE_SWEEP = ((128, 128, 8, 4, 0), (128, 128, 8, 4, 12), (128, 128, 8, 4, 6), (64, 256, 4, 4, 12))
+# block_m, block_n, warps, stages, reducers (0: every program multiplies and reduces; else programs that only
+# reduce), push (partials written into every rank's buffer instead of pulled from each)
+TILE_SWEEP = ((128, 128, 8, 4, 0, False), (128, 128, 8, 4, 0, True), (128, 128, 8, 4, 12, True), (64, 256, 4, 4, 0, True))
 
 
 def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeats: int, chunks: int, path: str) -> None:
@@ -535,13 +536,13 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
         variants.update({"unfused_fp8_us": plain_fp8, "gemm_fp8_us": lambda: gated_sum(a, lin8.forward_quantized(s8, ss), ga, gm)})
         sweep = {}  # tile shape and pipeline depth: the fused kernel at each, with its GEMM part alone
         with torch.no_grad():
-            for block_m, block_n, num_warps, num_stages, reducers in TILE_SWEEP:
+            for block_m, block_n, num_warps, num_stages, reducers, push in TILE_SWEEP:
                 op = SymmetricGemmAllReduce(rows, spec.dim, device, block_m=block_m, block_n=block_n,
-                                            num_warps=num_warps, num_stages=num_stages, reducers=reducers)
+                                            num_warps=num_warps, num_stages=num_stages, reducers=reducers, push=push)
                 own_flags = new_flags(rows, spec.dim, 1, block_m=block_m, block_n=block_n).to(device)  # world 1's table
                 own_flag_ptr = torch.tensor([own_flags.data_ptr()], dtype=torch.int64, device=device)
                 for kind, (x_in, w_in, kw) in operands.items():
-                    key = f"{kind} {block_m}x{block_n} w{num_warps} s{num_stages} r{reducers}"
+                    key = f"{kind} {block_m}x{block_n} w{num_warps} s{num_stages} r{reducers}{' push' if push else ''}"
                     fused_fn = lambda op=op, x_in=x_in, w_in=w_in, kw=kw: op(x_in, w_in, **kw)
                     alone = lambda op=op, x_in=x_in, w_in=w_in, kw=kw, f=own_flag_ptr: launch(
                         x_in, w_in, torch.empty_like(y), local, f, 0, 1, block_m=op.block_m, block_n=op.block_n,

@@ -160,11 +160,12 @@ class SymmetricCombine:
                        residual=a, residual_gate=gate_attn)
 
 
-def use_symmetric_combine_(model, rows: int, device: torch.device, reducers: int = 0) -> None:
-    """Every block of a sharded model on a GPU combines through one fused GEMM + all-reduce op."""
+def use_symmetric_combine_(model, rows: int, device: torch.device, **options) -> None:
+    """Every block of a sharded model on a GPU combines through one fused GEMM + all-reduce op
+    (`options`: the op's program layout, e.g. push=True)."""
     from engine.kernels.gemm_allreduce import SymmetricGemmAllReduce
 
-    op = SymmetricGemmAllReduce(rows, model.spec.dim, device, reducers=reducers)
+    op = SymmetricGemmAllReduce(rows, model.spec.dim, device, **options)
     for block in model.blocks:
         combine = SymmetricCombine(block, rows, op)
         if block.fused_forward is not None:

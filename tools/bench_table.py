@@ -111,7 +111,7 @@ def two_gpus() -> list[str]:
     if step:
         rows = (("none", "reduction left out (compute only)"), ("nccl", "NCCL all-reduce"),
                 ("symmetric_tiles", "fused GEMM + all-reduce (symmetric memory)"),
-                ("symmetric_tiles_reducers", "fused, 12 programs only reducing"))
+                ("symmetric_tiles_push", "fused, partials pushed to the peers"))
         out += ["### The 57b step on two GPUs, communication included", "",
                 f"Run {step['date']}. Tensor-parallel degree {step['world']}, one process per GPU; {step['path']}; random weights; "
                 "median over the steady-state steps after warm-up, ranks aligned by a barrier before each step; one all-reduce "
@@ -146,7 +146,8 @@ def two_gpus() -> list[str]:
                            f"{100 * f['allreduce_hidden_share']:.0f}% |")
         chunks = ar["row_chunks"]
         out += ["", "Every configuration measured (`r`: programs that only reduce; 0: each program reduces its previous "
-                "tile after multiplying the next):", "", "| configuration | fused us | its GEMM part alone us | max relative "
+                "tile after multiplying the next; `push`: partial tiles written into every rank's buffer, the sum read "
+                "locally, instead of pulled from each peer):", "", "| configuration | fused us | its GEMM part alone us | max relative "
                 "difference from NCCL |", "|---|---|---|---|"]
         out += [f"| {k} | {v['fused_us']:.1f} | {v['gemm_alone_us']:.1f} | {v['max_rel_diff_vs_nccl']:.4f} |"
                 for k, v in ar.get("symmetric_tiles_sweep", {}).items()]

@@ -12,6 +12,10 @@ output tiles on every rank, and for each tile
      peers' `ready` flags of its previous tile, sums that tile from every rank's buffer
      (peer buffers read over NVLink), writes the output, and raises `done` on every peer.
 
+With `push`, step 1 writes the partial tile into this rank's slot of every rank's buffer
+instead (posted NVLink writes) and step 2 sums the slots of the local buffer. With `reducers`,
+some programs only reduce (tiles in the order they are finished) and the others only multiply.
+
 A program only overwrites a tile of its buffer after every peer's `done` for it from the
 last call, so calls can follow each other (and be captured in a CUDA graph) without any
 host-side epoch: flags are set by the peer and cleared by their owner. While some programs
@@ -56,8 +60,8 @@ def _raise_on_all(flag_tables, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, my_buf, flag_tables, my_flags,
-                   M, N, K, num_m, tiles, RANK: tl.constexpr, WORLD: tl.constexpr,
+def _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, bufs, my_buf, flag_tables,
+                   my_flags, M, N, K, num_m, tiles, RANK: tl.constexpr, WORLD: tl.constexpr, PUSH: tl.constexpr,
                    HAS_ROW_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     m0 = (tile % num_m) * BLOCK_M
@@ -82,13 +86,19 @@ def _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, r
         res = tl.load(residual + offs, mask=ok, other=0.0).to(tl.float32)
         acc += res * tl.load(residual_gate + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     _wait_all(my_flags, DONE * tiles + tile, WORLD)  # every rank has finished reading this tile from the last call
-    tl.store(my_buf + offs, acc.to(tl.bfloat16), mask=ok)
+    part = acc.to(tl.bfloat16)
+    if PUSH:  # into slot RANK of every rank's buffer: posted NVLink writes, the sum then reads local memory
+        for r in tl.static_range(WORLD):
+            dst = tl.load(bufs + r).to(tl.pointer_type(tl.bfloat16)) + RANK * M * N
+            tl.store(dst + offs, part, mask=ok)
+    else:  # into this rank's buffer, for every rank to pull
+        tl.store(my_buf + offs, part, mask=ok)
     _raise_on_all(flag_tables, READY * tiles + tile, RANK, WORLD)
 
 
 @triton.jit
 def _reduce_tile(tile, out, bufs, flag_tables, my_flags, M, N, num_m, tiles,
-                 RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 RANK: tl.constexpr, WORLD: tl.constexpr, PUSH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     _wait_all(my_flags, READY * tiles + tile, WORLD)  # every rank's partial of this tile is in its buffer
     rows = (tile % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (tile // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,8 +106,11 @@ def _reduce_tile(tile, out, bufs, flag_tables, my_flags, M, N, num_m, tiles,
     offs = rows[:, None] * N + cols[None, :]
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r in tl.static_range(WORLD):  # the same order on every rank: identical sums everywhere
-        buf = tl.load(bufs + r).to(tl.pointer_type(tl.bfloat16))
-        total += tl.load(buf + offs, mask=ok, other=0.0).to(tl.float32)
+        if PUSH:
+            src = tl.load(bufs + RANK).to(tl.pointer_type(tl.bfloat16)) + r * M * N
+        else:
+            src = tl.load(bufs + r).to(tl.pointer_type(tl.bfloat16))
+        total += tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + offs, total.to(out.dtype.element_ty), mask=ok)
     _raise_on_all(flag_tables, DONE * tiles + tile, RANK, WORLD)  # our reads of every rank's tile are over
 
@@ -106,6 +119,7 @@ def _reduce_tile(tile, out, bufs, flag_tables, my_flags, M, N, num_m, tiles,
 def _gemm_all_reduce_kernel(a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, out,
                             bufs, flag_tables, M, N, K,
                             RANK: tl.constexpr, WORLD: tl.constexpr, PROGRAMS: tl.constexpr, REDUCERS: tl.constexpr,
+                            PUSH: tl.constexpr,
                             HAS_ROW_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, HAS_GATE: tl.constexpr,
                             HAS_RESIDUAL: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -118,22 +132,22 @@ def _gemm_all_reduce_kernel(a_desc, b_desc, row_scale, col_scale, gate, residual
     if REDUCERS == 0:  # every program multiplies its tiles and reduces each one a tile later
         previous = -1
         for tile in range(pid, tiles, PROGRAMS):
-            _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, my_buf, flag_tables,
-                           my_flags, M, N, K, num_m, tiles, RANK, WORLD, HAS_ROW_SCALE, HAS_COL_SCALE, HAS_GATE,
+            _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, bufs, my_buf,
+                           flag_tables, my_flags, M, N, K, num_m, tiles, RANK, WORLD, PUSH, HAS_ROW_SCALE, HAS_COL_SCALE, HAS_GATE,
                            HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K)
             if previous >= 0:
-                _reduce_tile(previous, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, BLOCK_M, BLOCK_N)
+                _reduce_tile(previous, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, PUSH, BLOCK_M, BLOCK_N)
             previous = tile
         if previous >= 0:
-            _reduce_tile(previous, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, BLOCK_M, BLOCK_N)
+            _reduce_tile(previous, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, PUSH, BLOCK_M, BLOCK_N)
     elif pid < PROGRAMS - REDUCERS:  # multipliers
         for tile in range(pid, tiles, PROGRAMS - REDUCERS):
-            _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, my_buf, flag_tables,
-                           my_flags, M, N, K, num_m, tiles, RANK, WORLD, HAS_ROW_SCALE, HAS_COL_SCALE, HAS_GATE,
+            _multiply_tile(tile, a_desc, b_desc, row_scale, col_scale, gate, residual, residual_gate, bufs, my_buf,
+                           flag_tables, my_flags, M, N, K, num_m, tiles, RANK, WORLD, PUSH, HAS_ROW_SCALE, HAS_COL_SCALE, HAS_GATE,
                            HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K)
     else:  # reducers: tiles in the order the multipliers finish them, summed while the product goes on
         for tile in range(pid - (PROGRAMS - REDUCERS), tiles, REDUCERS):
-            _reduce_tile(tile, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, BLOCK_M, BLOCK_N)
+            _reduce_tile(tile, out, bufs, flag_tables, my_flags, M, N, num_m, tiles, RANK, WORLD, PUSH, BLOCK_M, BLOCK_N)
 
 
 def tile_count(rows: int, cols: int, block_m: int, block_n: int) -> int:
@@ -153,12 +167,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, buffer_ptrs
            rank: int, world: int, *, row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None,
            gate: torch.Tensor | None = None, residual: torch.Tensor | None = None, residual_gate: torch.Tensor | None = None,
            block_m: int = 128, block_n: int = 128, block_k: int | None = None, programs: int | None = None,
-           reducers: int = 0, num_warps: int = 8, num_stages: int = 4) -> torch.Tensor:
+           reducers: int = 0, push: bool = False, num_warps: int = 8, num_stages: int = 4) -> torch.Tensor:
     """One rank's launch. `buffer_ptrs` / `flag_ptrs`: int64 device tensors holding every rank's
     (rows, cols) bf16 buffer and flag table addresses; `programs` and `reducers` must be the same on
     every rank. `reducers` = 0: every program multiplies and reduces; else that many programs only
     reduce (tiles as they are finished) while the others only multiply. All programs must be
-    resident at once: at most one per SM."""
+    resident at once: at most one per SM. `push`: each rank's buffer is (world, rows, cols), a slot
+    per rank, and partial tiles are written into every rank's slot instead of pulled from each."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, K = x.shape
@@ -176,7 +191,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, buffer_ptrs
     args = (a_desc, b_desc, dummy if row_scale is None else row_scale, dummy if col_scale is None else col_scale,
             dummy if gate is None else gate, dummy if residual is None else residual,
             dummy if residual_gate is None else residual_gate, out, buffer_ptrs, flag_ptrs, M, N, K)
-    meta = dict(RANK=rank, WORLD=world, PROGRAMS=programs, REDUCERS=reducers, HAS_ROW_SCALE=row_scale is not None,
+    meta = dict(RANK=rank, WORLD=world, PROGRAMS=programs, REDUCERS=reducers, PUSH=push, HAS_ROW_SCALE=row_scale is not None,
                 HAS_COL_SCALE=col_scale is not None, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     _gemm_all_reduce_kernel[(programs,)](*args, **meta)
@@ -201,21 +216,21 @@ def gemm_all_reduce_reference(x: torch.Tensor, weight: torch.Tensor, reduce, *, 
 class SymmetricGemmAllReduce:
     """The fused op for one steady-state shape over a process group (one rank per GPU, NCCL group).
 
-    Allocates a (rows, cols) bf16 buffer and a flag table in symmetric memory; every rank
-    constructs it, in the same order, with the same arguments."""
+    Allocates a (rows, cols) bf16 buffer ((world, rows, cols) with `push`) and a flag table in
+    symmetric memory; every rank constructs it, in the same order, with the same arguments."""
 
     def __init__(self, rows: int, cols: int, device: torch.device, group=None, *, block_m: int = 128, block_n: int = 128,
-                 programs: int | None = None, reducers: int = 0, **kernel_options):
+                 programs: int | None = None, reducers: int = 0, push: bool = False, **kernel_options):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         group = group or dist.group.WORLD
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.rows, self.cols, self.block_m, self.block_n = rows, cols, block_m, block_n
-        self.kernel_options = dict(kernel_options, reducers=reducers)  # + block_k, num_warps, num_stages
+        self.kernel_options = dict(kernel_options, reducers=reducers, push=push)  # + block_k, num_warps, num_stages
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.programs = min(tile_count(rows, cols, block_m, block_n) + reducers, programs or sms)
-        self.buffer = symm_mem.empty((rows, cols), dtype=torch.bfloat16, device=device)
+        self.buffer = symm_mem.empty(((self.world,) if push else ()) + (rows, cols), dtype=torch.bfloat16, device=device)
         tiles = tile_count(rows, cols, block_m, block_n)
         self.flags = symm_mem.empty((2 * tiles * self.world,), dtype=torch.int32, device=device)
         new_flags(rows, cols, self.world, block_m=block_m, block_n=block_n, out=self.flags)
