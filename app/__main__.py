@@ -26,6 +26,8 @@ def parse_args(argv: list[str] | None) -> tuple[str | None, dict]:
     p.add_argument("--gpus", help="placement: diffusion GPUs, one process each, e.g. 0,1,2")
     p.add_argument("--decoder-gpu", help="placement: GPU(s) that only decode, e.g. 3")
     p.add_argument("--tp", type=int, help="placement without GPUs: tensor-parallel degree in CPU processes")
+    p.add_argument("--transport", choices=("webrtc", "hls"),
+                   help="video to the browser: webrtc (default) or hls (Gradio's streaming video; a fallback, seconds behind)")
     p.add_argument("--audio-input", choices=("browser", "local"), help="microphone: the browser's (default) or this machine's")
     p.add_argument("--record", action="store_true", default=None, help="record every session (MP4 + trace + transcript)")
     p.add_argument("--recordings-dir", help="where recorded sessions go")

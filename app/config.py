@@ -35,6 +35,7 @@ class AppConfig:
     prebuffer: int = 4  # playout buffer: frames waiting before playback (re)starts
     preset: str = "ada"
     session_log: str | None = None  # per-session fps log (default: engine.sessions.default_log())
+    transport: str = "webrtc"  # webrtc, or hls: Gradio's streaming video, a fallback that adds seconds
     # Voice
     audio_input: str = "browser"  # browser or local (the workstation's own microphone)
     agent: str = "persona"  # persona (offline) or openai (an OpenAI-compatible endpoint)
@@ -57,6 +58,7 @@ class AppConfig:
             (self.spec in SPECS, f"unknown spec {self.spec!r}; known: {', '.join(SPECS)}"),
             (self.preset in PRESETS, f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}"),
             (self.audio_input in ("browser", "local"), f"audio_input must be browser or local, got {self.audio_input!r}"),
+            (self.transport in ("webrtc", "hls"), f"transport must be webrtc or hls, got {self.transport!r}"),
             (self.agent in ("persona", "openai"), f"agent must be persona or openai, got {self.agent!r}"),
             (1 <= self.port <= 65535, f"port must be 1..65535, got {self.port}"),
             (1 <= self.prebuffer <= self.max_lead, f"need 1 <= prebuffer <= max_lead, got {self.prebuffer}, {self.max_lead}"),

@@ -9,9 +9,11 @@ from typing import Any
 import gradio as gr
 
 from app.controller import Controller
+from app.hls import LiveSegments, mic_chunk_to_float
 from app.latency import render_panel
 from app.recorder import find_recording, list_recordings
 from engine.character import PRESETS
+from engine.config import get_spec
 
 STAGE_HTML = """
 <div id="tl-stage">
@@ -45,6 +47,8 @@ def _failures_html(failures: list[str]) -> str:
 
 def build_ui(controller: Controller) -> gr.Blocks:
     config = controller.config
+    webrtc = config.transport == "webrtc"
+    segments = LiveSegments(controller, get_spec(config.spec).fps)  # transport hls: the character as segments
 
     def refresh():
         shown = controller.shown()
@@ -62,6 +66,7 @@ def build_ui(controller: Controller) -> gr.Blocks:
         return f"session {live.session_id} on {preset}" + (f", recording to {live.recorder.folder}" if live.recorder else "")
 
     def stop() -> str:
+        segments.close()
         stats = controller.stop()
         return "stopped" if stats is None else f"stopped: {stats.get('fps', 0):.1f} fps over {stats.get('seconds', 0):.0f} s"
 
@@ -78,6 +83,11 @@ def build_ui(controller: Controller) -> gr.Blocks:
         if controller.live is None:
             return f"next session: {preset}"
         return start(preset, record)
+
+    def feed_mic(chunk) -> None:
+        live, pcm = controller.live, mic_chunk_to_float(chunk)
+        if live is not None and pcm is not None:
+            live.feed_mic(*pcm)
 
     def recordings_choices():
         return gr.update(choices=[(r.label, r.folder.name) for r in list_recordings(config.recordings_dir)])
@@ -97,7 +107,12 @@ def build_ui(controller: Controller) -> gr.Blocks:
         with gr.Tab("Live"):
             with gr.Row():
                 with gr.Column(scale=3):
-                    gr.HTML(STAGE_HTML)
+                    if webrtc:
+                        gr.HTML(STAGE_HTML)
+                    else:
+                        stage = gr.Video(streaming=True, autoplay=True, show_label=False, elem_id="tl-hls-video")
+                        mic = (gr.Audio(sources=["microphone"], streaming=True, type="numpy", label="microphone",
+                                        elem_id="tl-hls-mic") if config.audio_input == "browser" else None)
                     with gr.Row():
                         preset = gr.Dropdown(choices=list(PRESETS), value=config.preset, label="character", elem_id="tl-preset")
                         record = gr.Checkbox(value=config.record, label="record this session", elem_id="tl-record")
@@ -127,12 +142,20 @@ def build_ui(controller: Controller) -> gr.Blocks:
 
         timer = gr.Timer(0.5)
         timer.tick(refresh, outputs=[transcript, latency, health, failures, restart_btn], show_progress="hidden")
-        start_btn.click(start, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
-        # js runs first: the browser hangs up, then the server ends the session.
-        stop_btn.click(stop, outputs=[session_text], js="async () => { await window.talkloop.disconnect(); return []; }")
-        restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
-        preset.change(switch, inputs=[preset, record], outputs=[session_text]).then(
-            None, js="() => window.talkloop.state.pc ? window.talkloop.connect() : null")
+        if webrtc:
+            start_btn.click(start, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
+            # js runs first: the browser hangs up, then the server ends the session.
+            stop_btn.click(stop, outputs=[session_text], js="async () => { await window.talkloop.disconnect(); return []; }")
+            restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
+            preset.change(switch, inputs=[preset, record], outputs=[session_text]).then(
+                None, js="() => window.talkloop.state.pc ? window.talkloop.connect() : null")
+        else:
+            start_btn.click(start, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
+            stop_btn.click(stop, outputs=[session_text])
+            restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
+            preset.change(switch, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
+            if mic is not None:
+                mic.stream(feed_mic, inputs=[mic], outputs=None, stream_every=0.25)
         refresh_btn.click(recordings_choices, outputs=[choice])
         choice.change(replay, inputs=[choice], outputs=[video, replay_latency, replay_transcript])
         demo.load(recordings_choices, outputs=[choice])

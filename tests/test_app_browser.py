@@ -174,3 +174,34 @@ def test_a_denied_microphone_is_shown(app):
         assert any("Microphone access was denied" in f for f in controller.failures())
         page.click("#tl-stop")
         browser.close()
+
+
+def test_hls_fallback_plays_and_answers(tmp_path):
+    """transport: hls — the character plays in Gradio's streaming video and the microphone streams
+    through Gradio's audio input: one question reaches the transcript, answered."""
+    config = build_config(None, dict(spec="tiny", device="cpu", port=free_port(), transport="hls",
+                                     recordings_dir=str(tmp_path / "recordings"), session_log=str(tmp_path / "sessions.jsonl")))
+    controller = Controller(config)
+    server, thread = start_server(controller)
+    wav = conversation_wav(tmp_path / "question.wav", [sample_speech("What is your name?")], lead_s=3.0, gap_s=12.0)
+    try:
+        with sync_playwright() as p:
+            browser = launch_chromium(p, wav)
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.goto(f"http://127.0.0.1:{config.port}/")
+            page.click("#tl-start")
+            page.locator("#tl-hls-mic").get_by_role("button", name=re.compile("record", re.I)).first.click()
+            video_time = "() => { const v = document.querySelector('#tl-hls-video video'); return v ? v.currentTime : 0; }"
+            wait_for(lambda: page.evaluate(video_time) > 1.0, 90, "the streamed video to play")
+            transcript = page.locator("#tl-transcript")
+            wait_for(lambda: re.search(r"name", transcript.inner_text(), re.I), 90, "the user's words in the transcript")
+            wait_for(lambda: "Ada" in transcript.inner_text(), 60, "the character's reply in the transcript")
+            before = page.evaluate(video_time)
+            time.sleep(1.5)
+            assert page.evaluate(video_time) - before > 0.5
+            page.click("#tl-stop")
+            wait_for(lambda: controller.live is None, 30, "the session to stop")
+            browser.close()
+    finally:
+        controller.close()
+        stop_server(server, thread)
