@@ -10,10 +10,11 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from engine import fp8  # noqa: E402
 from engine.cache import RingKVCache  # noqa: E402
-from engine.kernels.fp8_attention import FP8Attention, attention_reference, qk_scale  # noqa: E402
+from engine.kernels.fp8_attention import FP8Attention, _exp2_fma, attention_reference, qk_scale  # noqa: E402
 from engine.kernels.fp8_linear import FP8Linear, quantize_rows, quantize_rows_reference  # noqa: E402
 from tests.helpers import TINY, run_session, tiny_model  # noqa: E402
 
@@ -67,8 +68,8 @@ def test_frame_write_sink_and_reset_rotation_match_pytorch():
     close_fp8(fast.q8, fp8.quantize(apply_rope(frame[0], cos, sin), fast.q_scale[-1]), fast.q_scale[-1])
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits):
+@pytest.mark.parametrize("splits, exp2", [(1, "mufu"), (3, "mufu"), (1, "fma")])
+def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2):
     g = torch.Generator().manual_seed(1)
     H, M, S, D = 2, 70, 300, SPEC.head_dim if DEVICE.type == "cpu" else 128
     scale = fp8.per_head_scale(torch.ones(H, D)).to(DEVICE)
@@ -79,10 +80,28 @@ def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits):
     valid[40:130] = 0  # empty ring slots
     out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
-    FP8Attention(H, M, S, D, DEVICE, splits=splits, **blocks)(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
+    FP8Attention(H, M, S, D, DEVICE, splits=splits, exp2=exp2, **blocks)(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
     ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
     assert torch.isfinite(out).all()
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 3e-2
+
+
+@triton.jit
+def _exp2_fma_kernel(x, y, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y + i, _exp2_fma(tl.load(x + i, mask=i < n, other=0.0)), mask=i < n)
+
+
+def test_exp2_on_the_fma_units_is_within_its_stated_error():
+    """The softmax's 2^x without the special-function unit: relative error < 0.2% over the range the
+    kernel feeds it (x <= 0), exactly 0 at -inf."""
+    x = torch.cat([-torch.linspace(0, 120, 4000), torch.tensor([float("-inf"), -0.0, -1e-7, -0.5, -0.4999])]).to(DEVICE)
+    y = torch.empty_like(x)
+    _exp2_fma_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    want = torch.exp2(x.double())
+    finite = torch.isfinite(x)
+    assert ((y[finite].double() - want[finite]).abs() / want[finite]).max().item() < 2e-3
+    assert y[~finite].eq(0).all()
 
 
 def test_row_quantisation_matches_reference():
