@@ -68,8 +68,9 @@ def test_frame_write_sink_and_reset_rotation_match_pytorch():
     close_fp8(fast.q8, fp8.quantize(apply_rope(frame[0], cos, sin), fast.q_scale[-1]), fast.q_scale[-1])
 
 
-@pytest.mark.parametrize("splits, exp2", [(1, "mufu"), (3, "mufu"), (1, "fma")])
-def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2):
+@pytest.mark.parametrize("splits, exp2, lazy", [(1, "mufu", False), (3, "mufu", False), (1, "fma", False), (1, "fma", True),
+                                                (3, "mufu", True)])
+def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2, lazy):
     g = torch.Generator().manual_seed(1)
     H, M, S, D = 2, 70, 300, SPEC.head_dim if DEVICE.type == "cpu" else 128
     scale = fp8.per_head_scale(torch.ones(H, D)).to(DEVICE)
@@ -80,9 +81,35 @@ def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2)
     valid[40:130] = 0  # empty ring slots
     out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
-    FP8Attention(H, M, S, D, DEVICE, splits=splits, exp2=exp2, **blocks)(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
+    FP8Attention(H, M, S, D, DEVICE, splits=splits, exp2=exp2, lazy_rescale=lazy, **blocks)(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
     ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
     assert torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= 3e-2
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_fp8_attention_follows_a_row_maximum_that_keeps_rising(lazy):
+    """Scores that rise by about 0.75 (log2 units) from one block of slots to the next: the lazy
+    rescale must rescale at every block (past its 0.5 threshold) or the e4m3 probabilities saturate."""
+    H, M, S = 1, 16, 256
+    D = SPEC.head_dim if DEVICE.type == "cpu" else 128
+    block_n = 16 if DEVICE.type == "cpu" else 64
+    rise = 0.75 * S / block_n  # log2 units over the whole row
+    q = torch.zeros(H, M, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(H, S, D)
+    k[0, :, 0] = torch.linspace(0, rise, S) * D ** 0.5 / 1.4426950408889634
+    v = torch.randn(H, S, D, generator=torch.Generator().manual_seed(3))
+    scale = lambda x: (x.abs().amax(dim=(1, 2)).clamp_min(1e-6) / fp8.FP8_MAX)
+    qs, ks, vs = scale(q), scale(k), scale(v)
+    q8, k8 = fp8.quantize(q, qs).to(DEVICE), fp8.quantize(k, ks).to(DEVICE)
+    vt8 = fp8.quantize(v, vs).transpose(1, 2).contiguous().to(DEVICE)
+    qs, ks, vs = qs.to(DEVICE), ks.to(DEVICE), vs.to(DEVICE)
+    valid = torch.ones(S, dtype=torch.int8, device=DEVICE)
+    out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    blocks = dict(block_m=16, block_n=block_n) if DEVICE.type == "cpu" else dict(block_n=block_n)
+    FP8Attention(H, M, S, D, DEVICE, lazy_rescale=lazy, **blocks)(q8, k8, vt8, valid, qk_scale(qs, ks, D), vs, out)
+    ref = attention_reference(q8, k8, vt8, valid, qs, ks, vs)
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 3e-2
 
 

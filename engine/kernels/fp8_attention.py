@@ -27,7 +27,7 @@ EXP2_UNITS = ("mufu", "fma")
 
 @triton.jit
 def _exp2_fma(x):
-    """2^x (x <= 0) on the FMA and integer units instead of the special-function unit, whose
+    """2^x (-inf <= x < 126) on the FMA and integer units instead of the special-function unit, whose
     throughput (16 a clock per SM against 128 FMAs) bounds this kernel's softmax: x = j + f with
     j = round(x) read from the bits of x + 1.5 * 2^23, 2^f by a quadratic (relative error below
     0.2%, far under e4m3's rounding), j added into the exponent bits. -inf gives 0."""
@@ -46,7 +46,7 @@ def _attn_kernel(
     part_o, part_m, part_l,  # (SPLITS, H, M, D) f32, (SPLITS, H, M) f32 x2 when SPLITS > 1
     H, M, S, blocks_per_split,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr,
-    PV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP2_FMA: tl.constexpr,
+    PV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP2_FMA: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -62,25 +62,40 @@ def _attn_kernel(
         cols = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < S
         k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :], mask=col_ok[:, None], other=0.0)
-        # +8 in log2 units scales every probability by 256, so small ones keep precision in e4m3;
-        # numerator and denominator carry the same factor, which cancels at the end.
-        bias = tl.where(tl.load(valid + cols, mask=col_ok, other=0) != 0, 8.0, float("-inf"))
+        bias = tl.where(tl.load(valid + cols, mask=col_ok, other=0) != 0, 0.0, float("-inf"))
         s = tl.dot(q_blk, tl.trans(k_blk)) * scale + bias[None, :]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no live slot yet
-        if EXP2_FMA:
-            p = _exp2_fma(s - m_safe[:, None])
+        m_blk = tl.max(s, 1)
+        if LAZY_RESCALE:
+            # Rescale only when some row's maximum grew by more than 0.5 (log2 units); in between the
+            # probabilities are taken against the older maximum: at most 2^0.5 * 256 (below), inside
+            # e4m3's 448. Most blocks then skip the (BLOCK_M, D) rescale of the accumulator.
+            jump = tl.max(tl.where(m_blk > m_i, m_blk - m_i, 0.0), 0)
+            if jump > 0.5:
+                m_new = tl.maximum(m_i, m_blk)
+                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row with no live slot yet
         else:
-            p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+            m_new = tl.maximum(m_i, m_blk)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        # Probabilities against (maximum - 8): scaled by 256 so that small ones keep precision in
+        # e4m3; numerator and denominator carry the same factor, which cancels at the end.
+        if EXP2_FMA:
+            p = _exp2_fma(s - (m_safe - 8.0)[:, None])
+        else:
+            p = tl.exp2(s - (m_safe - 8.0)[:, None])
+        l_i = l_i + tl.sum(p, 1)
         v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :], mask=col_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None]
         if PV_FP8:
             acc = tl.dot(to_fp8(p, EXACT), tl.trans(v_blk), acc)
         else:  # P in bf16 against V widened to bf16: half the rate, less rounding
             acc = tl.dot(p.to(tl.bfloat16), tl.trans(v_blk).to(tl.bfloat16), acc)
-        m_i = m_new
     if SPLITS == 1:
         o = acc * tl.load(v_scale + h) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out + rows[:, None] * s_om + h * s_oh + d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
@@ -118,11 +133,11 @@ class FP8Attention:
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device: torch.device,
                  block_m: int = 64, block_n: int = 128, splits: int = 1, num_warps: int = 4, num_stages: int = 3,
-                 pv_fp8: bool = True, warp_specialize: bool = False, exp2: str = "mufu"):
+                 pv_fp8: bool = True, warp_specialize: bool = False, exp2: str = "mufu", lazy_rescale: bool = False):
         if exp2 not in EXP2_UNITS:
             raise ValueError(f"exp2 must be one of {', '.join(EXP2_UNITS)}, got {exp2!r}")
         self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
-        self.exp2 = exp2
+        self.exp2, self.lazy_rescale = exp2, lazy_rescale
         self.block_m, self.block_n, self.splits = block_m, block_n, splits
         self.num_warps, self.num_stages, self.pv_fp8 = num_warps, num_stages, pv_fp8
         self.warp_specialize = warp_specialize and not interpreting()
@@ -147,7 +162,8 @@ class FP8Attention:
             self.part_l if self.splits > 1 else dummy,
             H, M, self.S, self.blocks_per_split,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, SPLITS=self.splits, EXACT=interpreting(),
-            PV_FP8=self.pv_fp8, WARP_SPECIALIZE=self.warp_specialize, EXP2_FMA=self.exp2 == "fma", num_warps=self.num_warps, num_stages=self.num_stages,
+            PV_FP8=self.pv_fp8, WARP_SPECIALIZE=self.warp_specialize, EXP2_FMA=self.exp2 == "fma",
+            LAZY_RESCALE=self.lazy_rescale, num_warps=self.num_warps, num_stages=self.num_stages,
         )
         if self.splits > 1:
             _merge_kernel[(triton.cdiv(M, 64), H)](
