@@ -181,6 +181,7 @@ class _Job:
     seed: int
     session: dict = field(default_factory=dict)
     overlap: bool = False
+    gemm: str = "plain"  # plain | fp8 (block linears in FP8, quantised after sharding)
 
 
 def _device_for(placement: Placement, rank: int) -> torch.device:
@@ -203,6 +204,10 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
         model, _, _ = load_engine(job.spec, weights=job.weights, device="cpu", seed=job.seed)
         shard_model_(model, rank, placement.tp, reduce=_all_reduce)
         model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if job.gemm == "fp8":  # each rank quantises its own shard: per-channel scales of the columns it holds
+            from engine.kernels.fp8_linear import quantize_linears_
+
+            quantize_linears_(model, fuse=device.type == "cuda")
         if job.overlap and device.type == "cuda":
             use_symmetric_combine_(model, job.spec.frame_tokens, device)
         elif job.overlap:
@@ -266,9 +271,12 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
 
 class DistributedEngine:
     def __init__(self, spec: ModelSpec, placement: Placement, *, weights: str | None = None, seed: int = 0,
-                 session: dict | None = None, decoders: int | None = None, overlap: bool = False, timeout: float = 300.0):
+                 session: dict | None = None, decoders: int | None = None, overlap: bool = False, gemm: str = "plain",
+                 timeout: float = 300.0):
+        if gemm not in ("plain", "fp8"):
+            raise ValueError(f"gemm must be plain or fp8, got {gemm!r}")
         self.spec, self.placement, self.timeout = spec, placement, timeout
-        job = _Job(spec, weights, seed, dict(session or {}), overlap)
+        job = _Job(spec, weights, seed, dict(session or {}), overlap, gemm)
         ctx = mp.get_context("spawn")
         port = free_port()
         n_dec = decoders if decoders is not None else max(len(placement.decoders), 1)

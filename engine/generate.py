@@ -26,6 +26,7 @@ from engine.weights import load_engine, pick_device
 
 
 ATTENTION = ("auto", "triton", "sdpa", "reference")
+BACKENDS = {"auto": "auto", "triton": "triton", "sdpa": "torch", "reference": "torch"}  # --attention -> session backend
 
 
 def make_session(model, args) -> EngineSession:
@@ -35,7 +36,7 @@ def make_session(model, args) -> EngineSession:
 
         quantize_linears_(model, fuse=next(model.parameters()).is_cuda)
     cache = "reference" if args.attention == "reference" else "ring"
-    backend = {"auto": "auto", "triton": "triton", "sdpa": "torch", "reference": "torch"}[args.attention]
+    backend = BACKENDS[args.attention]
     session = EngineSession(model, cache=cache, kv_dtype=args.kv_dtype, reset_every=args.reset_every, seed=args.seed,
                             backend=backend, cuda_graph=args.cuda_graph)
     print(f"engine: cache={cache} backend={session.backend} kv={args.kv_dtype if cache == 'ring' else 'float'} "
@@ -67,8 +68,9 @@ def build_character(args, spec, device: torch.device):
         else:
             placement = Placement(cpu_ranks=args.tp)
         session_kwargs = dict(cache="reference" if args.attention == "reference" else "ring", kv_dtype=args.kv_dtype,
-                              reset_every=args.reset_every)
-        engine = DistributedEngine(spec, placement, weights=args.weights, seed=args.seed, session=session_kwargs)
+                              reset_every=args.reset_every, backend=BACKENDS[args.attention], cuda_graph=args.cuda_graph)
+        engine = DistributedEngine(spec, placement, weights=args.weights, seed=args.seed, session=session_kwargs,
+                                   gemm="fp8" if args.gemm == "fp8" else "plain")
         _, codec, trained = load_engine(spec, weights=args.weights, seed=args.seed)
         steps = RemoteSteps(engine)
         steps.start(preset_reference(spec, codec, args.preset))

@@ -446,8 +446,6 @@ def check_config(config: EngineConfig, spec=None) -> None:
                   file=sys.stderr)
     if c.tp < 1:
         raise ValueError(f"config {c.name}: tp must be >= 1, got {c.tp}")
-    if (c.tp > 1 or c.processes) and c.gemm == "fp8":
-        raise ValueError(f"config {c.name}: gemm=fp8 runs in one process only (tp=1, processes=false)")
     if c.fused_allreduce and c.tp < 2:
         raise ValueError(f"config {c.name}: fused_allreduce needs tp >= 2")
     if c.tp > 1 and on_cuda and torch.cuda.device_count() < c.tp:
@@ -484,7 +482,8 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
         decoders = () if config.decoder_gpu is None else (config.decoder_gpu,)
         placement = (Placement(tuple(range(config.tp)), decoders) if device.type == "cuda" else Placement(cpu_ranks=config.tp))
         engine = DistributedEngine(spec, placement, weights=weights, seed=weights_seed,
-                                   session={**session_kwargs, "seed": noise_seed}, overlap=config.fused_allreduce)
+                                   session={**session_kwargs, "seed": noise_seed}, overlap=config.fused_allreduce,
+                                   gemm=config.gemm)
         try:
             _, codec, trained = load_engine(spec, weights=weights, seed=weights_seed)
             steps = RemoteSteps(engine)

@@ -92,7 +92,9 @@ def test_one_turn_in_the_browser(app):
 
         # Picture and voice are scheduled together: the browser's playout estimates agree within a few frames.
         wait_for(lambda: len(controller.live.av_offsets_ms) >= 3, 30, "the browser's audio/video sync reports")
-        assert abs(controller.health()["av_offset_ms"]) <= 125, list(controller.live.av_offsets_ms)
+        health = controller.health()
+        assert isinstance(health["av_offset_ms"], (int, float)), f"no sync estimate: {health}"  # engine below real time
+        assert abs(health["av_offset_ms"]) <= 125, list(controller.live.av_offsets_ms)
 
         shot = Path(os.environ.get("TALKLOOP_SCREENSHOT", tmp / "app.png"))
         page.screenshot(path=str(shot), full_page=True)

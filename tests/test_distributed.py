@@ -59,6 +59,30 @@ def test_tensor_parallel_frames_equal_one_process(expected, tp, overlap):
     assert (frames.int() - expected.int()).abs().max().item() <= 1
 
 
+def test_fp8_linears_in_tensor_parallel_ranks_match_one_process(expected):
+    """gemm=fp8 in the engine's own processes: each rank quantises its shard (per-channel scales of
+    the columns it holds, per-token scales of its slice of the row-parallel inputs), so the
+    numbers differ from one process's FP8 by rounding only. Tolerance: mean |difference| <= 1
+    level of 255, none above 16; and nearer to one process's FP8 frames than to the float ones
+    (the ranks really ran in FP8)."""
+    from engine.kernels.fp8_linear import quantize_linears_
+
+    model = quantize_linears_(build_model(SPEC6, seed=0), fuse=False)
+    session = EngineSession(model, seed=0)
+    session.start(reference_latent(SPEC6))
+    codec = StandInCodec(SPEC6, seed=0)
+    one = []
+    for t in range(STEPS):
+        session.push_audio_features(features(t), t * 4)
+        one.append(codec.decode(session.step()))
+    one = torch.stack(one).float()
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=2), gemm="fp8", timeout=120) as engine:
+        _, two = engine_frames(engine)
+    diff = (two.float() - one).abs()
+    assert diff.mean().item() <= 1.0 and diff.max().item() <= 16, (diff.mean().item(), diff.max().item())
+    assert diff.mean() < (two.float() - expected.float()).abs().mean()
+
+
 def test_several_decoders_deliver_every_step_in_order(expected):
     with DistributedEngine(SPEC6, Placement(cpu_ranks=1), decoders=3, timeout=120) as engine:
         order, frames = engine_frames(engine)

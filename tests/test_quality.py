@@ -145,7 +145,6 @@ def test_configs_are_presets_with_overrides_or_json_files(tmp_path):
     ("reference,backend=triton", "triton backend needs cache=ring"),
     ("reference,fused_allreduce=true", "fused_allreduce needs tp >= 2"),
     ("fp8-cache,decoder_gpu=1", "decoder_gpu needs the engine's own processes"),
-    ("tp2,gemm=fp8", "gemm=fp8 runs in one process only"),
     ("fp8-cache,cuda_graph=maybe", "must be true or false"),
     ("fp8-cache,reset_every=-1", "reset_every must be >= 0"),
 ])

@@ -69,7 +69,8 @@ def _attn_kernel(
             # Rescale only when some row's maximum grew by more than 0.5 (log2 units); in between the
             # probabilities are taken against the older maximum: at most 2^0.5 * 256 (below), inside
             # e4m3's 448. Most blocks then skip the (BLOCK_M, D) rescale of the accumulator.
-            jump = tl.max(tl.where(m_blk > m_i, m_blk - m_i, 0.0), 0)
+            grown = m_blk > m_i
+            jump = tl.max(tl.where(grown, m_blk - tl.where(grown, m_i, 0.0), 0.0), 0)  # no -inf - -inf
             if jump > 0.5:
                 m_new = tl.maximum(m_i, m_blk)
                 alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
