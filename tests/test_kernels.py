@@ -16,7 +16,7 @@ from engine import fp8  # noqa: E402
 from engine.cache import RingKVCache  # noqa: E402
 from engine.kernels.fp8_attention import FP8Attention, _exp2_fma, attention_reference, qk_scale  # noqa: E402
 from engine.kernels.fp8_linear import FP8Linear, quantize_rows, quantize_rows_reference  # noqa: E402
-from tests.helpers import TINY, run_session, tiny_model  # noqa: E402
+from tests.helpers import TINY, run_session  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # The GPU's tensor cores need head_dim >= 16 and real tile sizes; the interpreter runs anything.
