@@ -276,3 +276,17 @@ def test_two_rank_processes_exchange_tiles_through_shared_memory(reducers, push,
         errors = json.load(open(f"{path}.{r}"))
         assert len(errors) == 3 and max(errors) < 2 * TOL, errors
         assert torch.equal(flags[r], new_flags(M, N, world, **INTERP_TILE))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not hopper(), reason="the fused kernel needs a Hopper-class GPU")
+def test_bad_launches_are_named():
+    from engine.kernels.gemm_allreduce import launch, new_flags
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, w = torch.zeros(40, 64, dtype=torch.float16, device=device), torch.zeros(48, 64, dtype=torch.float16, device=device)
+    buf, flags = torch.zeros(40, 48, dtype=torch.bfloat16, device=device), new_flags(40, 48, 1, **INTERP_TILE).to(device)
+    ptrs = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        launch(x, w[:, :32], buf, ptrs(buf), ptrs(flags), 0, 1, **INTERP_TILE)
+    with pytest.raises(ValueError, match="reducers must be in"):
+        launch(x, w, buf, ptrs(buf), ptrs(flags), 0, 1, programs=4, reducers=4, **INTERP_TILE)
