@@ -249,12 +249,21 @@ class RingKVCache:
         self.vt[layer, :, :, start:end] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
         self.valid[start:end] = 1
 
-    def read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantised K, V (H, S, D) of a layer."""
+    def read(self, layer: int, dtype: torch.dtype, slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised K, V (H, S, D) of a layer (the first `slots` slots only, when given)."""
+        n = self.k.shape[2] if slots is None else slots
         return (
-            self._load(self.k[layer], self._scale(self.k_scale, layer), dtype),
-            self._load(self.vt[layer], self._scale(self.v_scale, layer), dtype).transpose(-1, -2),
+            self._load(self.k[layer, :, :n], self._scale(self.k_scale, layer), dtype),
+            self._load(self.vt[layer, :, :, :n], self._scale(self.v_scale, layer), dtype).transpose(-1, -2),
         )
+
+    def live_prefix(self) -> int | None:
+        """n when slots [0, n) are exactly the live ones (known on the host from the step count), so
+        attention can read that slice unmasked; None when the live slots have holes (sink padding)."""
+        s = self.spec
+        if s.reference_tokens != s.sink_slots or self.step < 0:
+            return None
+        return s.sink_slots + min(self.step + 1, s.window_frames) * s.frame_tokens
 
     def _frame_cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.frame(float(self.position))
@@ -264,8 +273,11 @@ class RingKVCache:
             return self._attend_triton(layer, q, k, v)
         self.write(layer, k, v)
         cos, sin = self._frame_cos_sin()
-        k_all, v_all = self.read(layer, q.dtype)
-        return attention(apply_rope(q, cos, sin), k_all, v_all, self.valid.bool())
+        # SDPA takes its fused kernels only without a mask and with V's rows contiguous (the ring
+        # stores V transposed for the Triton kernels): slice the live prefix, copy V into rows.
+        live = self.live_prefix()
+        k_all, v_all = self.read(layer, q.dtype, live)
+        return attention(apply_rope(q, cos, sin), k_all, v_all.contiguous(), None if live is not None else self.valid.bool())
 
     def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from engine.kernels.rope_write import write_frame

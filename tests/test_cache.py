@@ -132,3 +132,26 @@ def test_ring_reads_only_written_slots():
     assert valid[: TINY.reference_tokens].all() and not valid[TINY.reference_tokens:].any()
     s.step()
     assert valid.sum().item() == TINY.reference_tokens + TINY.frame_tokens
+
+
+def test_unpadded_sink_reads_the_live_prefix_unmasked_and_still_matches_reference():
+    """With no padding between the sink and the ring, the live slots are a prefix known from the
+    step count: attention reads that slice without a mask (SDPA's fused kernel). Same tolerance as
+    the masked ring: 1e-5 against the reference path, across the window filling and resets."""
+    from engine.model import build_model
+
+    spec = TINY.with_(name="tiny-unpadded", sink_slots=TINY.reference_tokens)
+    model = build_model(spec, seed=1)
+    ring = run_session(model, STEPS, cache="ring", kv_dtype="fp32")
+    reference = run_session(model, STEPS, cache="reference")
+    assert (ring - reference).abs().max().item() <= 1e-5
+    cache = RingKVCache(spec, [b.k_norm.weight for b in model.blocks], [b.v_norm.weight for b in model.blocks], kv_dtype="fp32")
+    assert cache.live_prefix() is None  # nothing written yet
+    cache.step = 0
+    assert cache.live_prefix() == spec.sink_slots + spec.frame_tokens
+    cache.step = 10 * spec.window_frames
+    assert cache.live_prefix() == spec.cache_slots
+    padded = RingKVCache(TINY, [b.k_norm.weight for b in tiny_model().blocks], [b.v_norm.weight for b in tiny_model().blocks],
+                         kv_dtype="fp32")
+    padded.step = 3
+    assert padded.live_prefix() is None  # sink padding: a hole, so the mask stays
