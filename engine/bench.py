@@ -236,6 +236,34 @@ def _session_steps(session, steps: int, device: torch.device) -> list[float]:
     return out
 
 
+def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: torch.device, *, resets: bool,
+                 before_step: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
+    """Step times (ms) after `warmup` steps, steps with a position reset apart; with `resets`, go on
+    (within two reset periods) until one reset step was timed too."""
+    for _ in range(warmup):
+        session.push_audio_features(audio)
+        session.step()
+    times: list[float] = []
+    reset_times: list[float] = []
+    every = session.cache.reset_every if resets else 0
+    while len(times) < steps or (resets and not reset_times):
+        session.push_audio_features(audio)
+        if before_step is not None:
+            before_step()
+        reset = bool(every) and session.steps_done % every == 0
+        (reset_times if reset else times).extend(_session_steps(session, 1, device))
+        if len(times) > steps + 2 * session.spec.reset_every:
+            break
+    return times, reset_times
+
+
+def _step_stats(times: list[float], resets: list[float]) -> dict:
+    out = {"step_ms": statistics.median(times), "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))]}
+    if resets:
+        out["reset_step_ms"] = statistics.median(resets)
+    return out
+
+
 @torch.no_grad()
 def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup: int, attention_options: dict | None) -> dict:
     """One rank's step at tensor-parallel degree tp, communication left out: the serving path
@@ -267,20 +295,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         else:
             session = EngineSession(model, cache="reference")
         session.start(ref_latent)
-        for _ in range(warmup):
-            session.push_audio_features(audio)
-            session.step()
-        times, resets = [], []
-        while len(times) < steps or (fast and not resets):
-            session.push_audio_features(audio)
-            reset = fast and session.steps_done % session.cache.reset_every == 0
-            (resets if reset else times).extend(_session_steps(session, 1, device))
-            if len(times) > steps + 2 * full.reset_every:
-                break
-        out = {"step_ms": statistics.median(times), "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))],
-               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
-        if resets:
-            out["reset_step_ms"] = statistics.median(resets)
+        times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast)
+        out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
         out["gemm_ms"] = time_part(_gemms_of_a_step(model, full, device, dtype))
@@ -332,6 +348,21 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     return result
 
 
+def _spawn_ranks(worker: Callable, world: int, *args) -> dict:
+    """`world` processes of `worker(rank, world, port, *args, path)`; rank 0 writes its JSON result to path."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from engine.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/result.json"
+        mp.spawn(worker, args=(world, free_port(), *args, path), nprocs=world)
+        with open(path) as f:
+            return json.load(f)
+
+
 def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: int, warmup: int, path: str) -> None:
     import torch.distributed as dist
 
@@ -364,21 +395,10 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
                 use_symmetric_combine_(model, full.frame_tokens, device, push=comm.endswith("push"))
         session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
         session.start(ref_latent)
-        for _ in range(warmup):
-            session.push_audio_features(audio)
-            session.step()
-        times, resets = [], []
-        while len(times) < steps or not resets:
-            session.push_audio_features(audio)
-            reset = session.steps_done % session.cache.reset_every == 0
-            dist.barrier(device_ids=[rank])
-            (resets if reset else times).extend(_session_steps(session, 1, device))
-            if len(times) > steps + 2 * full.reset_every:
-                break
-        out = {"step_ms": statistics.median(times), "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))],
-               "steps_timed": len(times), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
-        if resets:
-            out["reset_step_ms"] = statistics.median(resets)
+        times, resets = _timed_steps(session, audio, steps, warmup, device, resets=True,
+                                     before_step=lambda: dist.barrier(device_ids=[rank]))
+        out = {**_step_stats(times, resets), "steps_timed": len(times),
+               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
         del session
         torch.cuda.empty_cache()
         return out
@@ -401,21 +421,11 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
 def bench_step_group(spec_name: str, world: int, steps: int, warmup: int) -> dict:
     """The step on `world` GPUs, one tensor-parallel rank each, communication included: the reduction
     left out, plain NCCL, and the fused GEMM + all-reduce over symmetric memory, in one run."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from engine.distributed import free_port
-
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         raise ValueError(f"--world {world} needs {world} visible GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
     if get_spec(spec_name).n_heads % world:
         raise ValueError(f"--world {world} must divide the {get_spec(spec_name).n_heads} heads of {spec_name}")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/result.json"
-        mp.spawn(_step_group_worker, args=(world, free_port(), spec_name, steps, warmup, path), nprocs=world)
-        with open(path) as f:
-            return json.load(f)
+    return _spawn_ranks(_step_group_worker, world, spec_name, steps, warmup)
 
 
 @torch.no_grad()
@@ -587,19 +597,9 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
 
 def bench_allreduce(device_type: str, world: int, repeats: int, chunks: int) -> dict:
     """Fused (overlapped) vs unfused MLP-out GEMM + all-reduce at the production shape (757 x 7680)."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from engine.distributed import free_port
-
     if world < 2:
         raise ValueError(f"the all-reduce benchmark needs at least 2 processes (GPUs), got {world}")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/result.json"
-        mp.spawn(_allreduce_worker, args=(world, free_port(), device_type, repeats, chunks, path), nprocs=world)
-        with open(path) as f:
-            return json.load(f)
+    return _spawn_ranks(_allreduce_worker, world, device_type, repeats, chunks)
 
 
 def bench_pipeline(spec_name: str, placement, steps: int, in_flight: int = 2) -> dict:

@@ -26,8 +26,8 @@ def features(step: int) -> torch.Tensor:
     return torch.randn(SPEC6.frames_per_latent, SPEC6.n_mels, generator=torch.Generator().manual_seed(step))
 
 
-def single_process_frames() -> torch.Tensor:
-    model = build_model(SPEC6, seed=0)
+def single_process_frames(model=None) -> torch.Tensor:
+    model = build_model(SPEC6, seed=0) if model is None else model
     session = EngineSession(model, seed=0)
     session.start(reference_latent(SPEC6))
     codec = StandInCodec(SPEC6, seed=0)
@@ -67,15 +67,7 @@ def test_fp8_linears_in_tensor_parallel_ranks_match_one_process(expected):
     (the ranks really ran in FP8)."""
     from engine.kernels.fp8_linear import quantize_linears_
 
-    model = quantize_linears_(build_model(SPEC6, seed=0), fuse=False)
-    session = EngineSession(model, seed=0)
-    session.start(reference_latent(SPEC6))
-    codec = StandInCodec(SPEC6, seed=0)
-    one = []
-    for t in range(STEPS):
-        session.push_audio_features(features(t), t * 4)
-        one.append(codec.decode(session.step()))
-    one = torch.stack(one).float()
+    one = single_process_frames(quantize_linears_(build_model(SPEC6, seed=0), fuse=False)).float()
     with DistributedEngine(SPEC6, Placement(cpu_ranks=2), gemm="fp8", timeout=120) as engine:
         _, two = engine_frames(engine)
     diff = (two.float() - one).abs()
