@@ -16,10 +16,10 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-import av
 import numpy as np
 
 from engine.audio import SAMPLE_RATE
+from engine.media import Mp4Writer
 from engine.realtime import AVFrame
 
 
@@ -77,29 +77,11 @@ class SegmentStream:
             yield str(path)
 
     def _write(self, path: Path, frames: list[AVFrame]) -> None:
-        h, w = frames[0].rgb.shape[:2]
-        with av.open(str(path), "w", format="mpegts") as container:
-            video = container.add_stream("libx264", rate=self.fps)
-            video.width, video.height, video.pix_fmt = w, h, "yuv420p"
-            video.options = {"preset": "veryfast", "tune": "zerolatency", "g": str(self.frames_per_segment)}
-            audio = container.add_stream("aac", rate=SAMPLE_RATE)
-            audio.layout = "mono"
+        with Mp4Writer(path, self.fps, frames[0].rgb.shape[:2], container_format="mpegts",
+                       first_frame=self._frames_written, first_sample=self._samples_written) as writer:
             for frame in frames:
-                vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame.rgb), format="rgb24")
-                vf.pts = self._frames_written  # running on from the last segment
-                self._frames_written += 1
-                for packet in video.encode(vf):
-                    container.mux(packet)
-                if frame.pcm.size:
-                    af = av.AudioFrame.from_ndarray(np.ascontiguousarray(frame.pcm, dtype=np.float32).reshape(1, -1),
-                                                    format="flt", layout="mono")
-                    af.sample_rate, af.pts = SAMPLE_RATE, self._samples_written
-                    self._samples_written += frame.pcm.size
-                    for packet in audio.encode(af):
-                        container.mux(packet)
-            for stream in (video, audio):
-                for packet in stream.encode(None):
-                    container.mux(packet)
+                writer.write(frame.rgb, frame.pcm)
+        self._frames_written, self._samples_written = writer.frames, writer.samples  # running on from this segment
 
 
 class LiveSegments:

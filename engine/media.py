@@ -39,17 +39,22 @@ def read_audio(path: str | Path, max_seconds: float | None = None) -> np.ndarray
 
 
 class Mp4Writer:
-    """Streams RGB frames and their audio into a fragmented MP4.
+    """Streams RGB frames and their audio (H.264 + AAC) into a fragmented MP4.
 
     Fragmented (empty moov, a fragment per keyframe) so that a file cut short by a
-    crash still plays up to its last fragment.
+    crash still plays up to its last fragment. With `container_format="mpegts"` it writes
+    an MPEG-TS segment instead, its timestamps starting at `first_frame` / `first_sample`
+    so that consecutive segments join without gaps.
     """
 
-    def __init__(self, path: str | Path, fps: int, size: tuple[int, int], sample_rate: int = SAMPLE_RATE):
+    def __init__(self, path: str | Path, fps: int, size: tuple[int, int], sample_rate: int = SAMPLE_RATE, *,
+                 container_format: str | None = None, first_frame: int = 0, first_sample: int = 0):
         self.path = Path(path)
         # flush_packets: each fragment reaches the file when it is muxed, not when FFmpeg's IO buffer fills
-        self.container = av.open(str(self.path), "w", options={"movflags": "frag_keyframe+empty_moov+default_base_moof",
-                                                                 "flush_packets": "1"})
+        options = {"flush_packets": "1"}
+        if container_format is None:
+            options["movflags"] = "frag_keyframe+empty_moov+default_base_moof"
+        self.container = av.open(str(self.path), "w", format=container_format, options=options)
         h, w = size
         self.video = self.container.add_stream("libx264", rate=fps)
         self.video.width, self.video.height, self.video.pix_fmt = w, h, "yuv420p"
@@ -57,8 +62,8 @@ class Mp4Writer:
         self.audio = self.container.add_stream("aac", rate=sample_rate)
         self.audio.layout = "mono"
         self.sample_rate = sample_rate
-        self.frames = 0
-        self.samples = 0
+        self.frames = first_frame  # the next video frame's timestamp, in frames
+        self.samples = first_sample  # the next audio frame's timestamp, in samples
 
     def write(self, rgb: np.ndarray, pcm: np.ndarray) -> None:
         vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
