@@ -186,7 +186,8 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
     step_faults.clock_zero = t0
     trace = Trace(trace_path, t0)
     trace.write("start", spec=spec.name, config=config.describe(), trained_weights=live.trained, seconds=seconds,
-                speech_s=speech_s, silence_s=silence_s, restarts=restarts, faults=[f.report()["fault"] for f in faults])
+                speech_s=speech_s, silence_s=silence_s, audio_source=source, restarts=restarts,
+                faults=[f.report()["fault"] for f in faults])
     samples: list[dict] = []
     per_second: dict[int, int] = {}  # whole second since the first release -> frames released in it
     first_due = last_due = None
@@ -254,7 +255,7 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
         _outcome(f, samples, ended, until, failures)
         trace.write("fault_outcome", **f.report())
     fps_played = (recorded - 1) / (last_due - first_due) if recorded >= 2 and last_due > first_due else 0.0
-    report = _report(spec, config, live.trained, seconds, time.monotonic() - t0, samples, per_second, step_times,
+    report = _report(spec, config, live.trained, source, seconds, time.monotonic() - t0, samples, per_second, step_times,
                      fps_played, released, underruns, recorded, faults, ended, error, failures, record, trace_path)
     trace.write("end", **{k: report[k] for k in ("ended", "error", "restarts", "frames_recorded", "underruns", "fps")})
     trace.close()
@@ -314,8 +315,8 @@ def _outcome(fault: Fault, samples: list[dict], ended: str, until: float, failur
             else "no frames after it"
 
 
-def _report(spec, config, trained, seconds, wall, samples, per_second, step_times, fps, released, underruns, recorded,
-            faults, ended, error, failures, record, trace_path) -> dict:
+def _report(spec, config, trained, audio_source, seconds, wall, samples, per_second, step_times, fps, released, underruns,
+            recorded, faults, ended, error, failures, record, trace_path) -> dict:
     # Seconds with no frame at all (a stalled or restarting engine) count as 0; the last is cut short by the end.
     full = [per_second.get(k, 0) for k in range(max(per_second))] if per_second else []
     warm = [s for s in samples if s["t"] >= min(10.0, 0.2 * seconds)]  # allocator warm-up left out of the slope
@@ -324,7 +325,8 @@ def _report(spec, config, trained, seconds, wall, samples, per_second, step_time
     host_slope = slope_per_minute([s["t"] for s in warm], [s["host_mb"] for s in warm])
     gpu_slope = slope_per_minute([s["t"] for s in warm], [s["gpu_mb"] for s in warm])
     return {
-        "spec": spec.name, "config": config.describe(), "trained_weights": trained, "seconds_asked": seconds,
+        "spec": spec.name, "config": config.describe(), "trained_weights": trained, "audio_source": audio_source,
+        "seconds_asked": seconds,
         "wall_seconds": wall, "ended": ended, "error": error, "restarts": sum("restarted_at_s" in f for f in failures),
         "failures": failures, "fps": fps, "frames_released": released, "frames_recorded": recorded,
         "underruns": underruns, "steps": len(step_times), "step_ms": percentiles_ms(step_times),

@@ -30,7 +30,7 @@ def test_short_soak_reports_and_records_everything(tmp_path):
     mp4, trace = tmp_path / "soak.mp4", tmp_path / "soak.jsonl"
     r = soak(TINY, parse_config("fp8-cache"), seconds=6.0, speech_s=2.0, silence_s=1.0, record=str(mp4),
              trace_path=str(trace), source="synth")
-    assert r["ended"] == "ran its time" and r["error"] is None
+    assert r["ended"] == "ran its time" and r["error"] is None and r["audio_source"] == "synth"
     assert r["frames_recorded"] == r["frames_released"] == mp4_frames(mp4) > 0
     assert r["steps"] > 0 and 0 < r["step_ms"]["p50"] <= r["step_ms"]["p95"] <= r["step_ms"]["max"]
     assert 0 <= r["seconds_below_24fps"] <= r["whole_seconds"] and r["whole_seconds"] >= 3
@@ -38,7 +38,7 @@ def test_short_soak_reports_and_records_everything(tmp_path):
     assert r["memory"]["host_mb_per_minute"] is not None and r["memory"]["gpu_mb_first"] is None
     assert r["memory"]["host_growth"] == growth_verdict(r["memory"]["host_mb_per_minute"])
     events = trace_lines(trace)
-    assert events[0]["event"] == "start" and events[-1]["event"] == "end"
+    assert events[0]["event"] == "start" and events[0]["audio_source"] == "synth" and events[-1]["event"] == "end"
     assert [e["turn"] for e in events if e["event"] == "turn"] == [0, 1]  # turns at 0 s and 3 s
     assert sum(e["event"] == "second" for e in events) == len(r["samples"])
 

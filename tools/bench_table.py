@@ -151,13 +151,23 @@ def two_gpus() -> list[str]:
                 "difference from NCCL |", "|---|---|---|---|"]
         out += [f"| {k} | {v['fused_us']:.1f} | {v['gemm_alone_us']:.1f} | {v['max_rel_diff_vs_nccl']:.4f} |"
                 for k, v in ar.get("symmetric_tiles_sweep", {}).items()]
-        out += ["", "The fused kernel is correct and its GEMM part runs near cuBLAS's pace, but it hides none of the "
-                "all-reduce yet. With r0 every program stops multiplying at the same moments to wait on NVLink reads, so "
-                "the reduction runs in series with the product. With programs set aside to reduce, the product loses "
-                "those SMs and the few reducers, each pulling one 128 x 128 tile at a time over NVLink, are latency-bound "
-                "and finish long after it. What remains to try: more loads in flight per reducer (several tiles at once), "
-                "pushing each finished tile to the peers from the multiplier instead of pulling it, and FP8 partials.",
-                "", f"Row chunks ({ar['chunks']} chunks, each reduced asynchronously while the next is multiplied): "
+        parts = {kind: ar[gemm_key] + ar["allreduce_us"] for kind, gemm_key in (("bf16", "gemm_us"), ("fp8", "gemm_fp8_us"))}
+        fp8 = ar.get("symmetric_tiles_fp8")
+        out += ["", "Reading it: the plain path costs more than its two parts timed apart (cuBLAS GEMM + NCCL alone: "
+                f"{parts['bf16']:.1f} us in bf16, {parts['fp8']:.1f} us in FP8), by the gap between the GEMM and NCCL's "
+                "kernel; that gap varies from run to run, so the speedup against the plain path does too, and the sum of "
+                "the parts is the steadier yardstick."]
+        if fp8:
+            over = fp8["fused_us"] - parts["fp8"]
+            out += [f"The best fused configuration ({fp8['config']}, {fp8['fused_us']:.1f} us) is {over:+.1f} us against "
+                    "that sum: " + ("the reduction still runs in series with the product rather than under it." if over >= 0
+                                    else f"{100 * -over / ar['allreduce_us']:.0f}% of the all-reduce runs under the product.")
+                    + (" Pushing each finished partial tile to every peer while the next tile is multiplied is the fastest "
+                       "layout measured." if fp8["config"].endswith("push") else "")
+                    + " Pulling tiles stalls every program on NVLink reads; programs set aside to reduce (`r` > 0) take SMs "
+                    "from the product and, one tile at a time, finish after it. What remains to try: FP8 partials (half "
+                    "the bytes on NVLink) and a GEMM part as fast as cuBLAS's at M = 757."]
+        out += ["", f"Row chunks ({ar['chunks']} chunks, each reduced asynchronously while the next is multiplied): "
                 f"{ar['row_chunks_us']:.1f} us, {chunks['speedup']:.2f}x the plain path.", ""]
     pipe = load("pipeline_demo_x2_h200.json")
     if pipe:
@@ -169,6 +179,28 @@ def two_gpus() -> list[str]:
                 "| period ms | diffusion ms | decode ms | period - diffusion ms | frames per second |", "|---|---|---|---|---|",
                 f"| {ms(pipe['period_ms'])} | {ms(pipe['diffusion_ms'])} | {ms(pipe['decode_ms'])} | "
                 f"{pipe['period_minus_diffusion_ms']:.2f} | {pipe['fps']:.0f} |", ""]
+    sess = load("session_demo_x2_h200.json")
+    if sess:
+        mem, st = sess["memory"], sess["step_ms"]
+        out += ["### A demo-character session with the decoder on its own GPU", "",
+                f"The trained demo character (`trained_weights: {str(sess['trained_weights']).lower()}`) in real time, "
+                f"diffusion on GPU 0 and the decoder on GPU 1 in their own processes (`{sess['config']}`), driven by "
+                "scripted turns (4 s of speech, 3 s of silence) through the playout buffer; frames counted at their "
+                "release times.", "",
+                f"Command: `SESSION_SECONDS={sess['seconds_asked']:.0f} bash tools/gpu_suite.sh session2`, i.e. "
+                f"`python -m engine.soak --spec demo --config cuda-graph,processes=true,decoder_gpu=1 --seconds "
+                f"{sess['seconds_asked']:.0f} --json` (result: `docs/results/session_demo_x2_h200.json`, per-second trace "
+                "`docs/results/session_demo_x2_h200_trace.jsonl`)", "",
+                "| ended | seconds | fps | frames released | underruns | whole seconds below 24 fps | engine loop wait per step "
+                "p50 / p99 ms | host MB first / last (growth) | GPU MB first / last (growth) |",
+                "|---|---|---|---|---|---|---|---|---|",
+                f"| {sess['ended']} | {sess['wall_seconds']:.0f} | {sess['fps']:.2f} | {sess['frames_released']} | "
+                f"{sess['underruns']} | {sess['seconds_below_24fps']} of {sess['whole_seconds']} | {st['p50']:.1f} / "
+                f"{st['p99']:.1f} | {mem['host_mb_first']:.0f} / {mem['host_mb_last']:.0f} ({mem['host_growth']}) | "
+                f"{mem['gpu_mb_first']:.0f} / {mem['gpu_mb_last']:.0f} ({mem['gpu_growth']}) |", "",
+                "The engine loop's step figure is the time from submitting a step to holding the frames of the step now "
+                "due; with the decoder a step behind on its own GPU those frames are mostly in already. Memory grows "
+                "while the processes start and capture their graphs (first 10 s), then stays flat.", ""]
     return out
 
 
@@ -251,6 +283,14 @@ def main() -> None:
                 f"| Triton FP8 (best: {', '.join(f'{k}={v}' for k, v in best.items() if k not in ('us', 'rel_err'))}) "
                 f"| {best['us']:.1f} | {att['fp8_tflops']:.0f} |", "",
                 f"FP8 kernel relative L2 error against exact attention over the same FP8 cache: {best['rel_err']:.3f}.", ""]
+        options = [("splits", lambda c: c.get("splits", 1) > 1, "the KV axis split in 2"),
+                   ("exp2", lambda c: c.get("exp2") == "fma", "2^x on the FMA units (`exp2=fma`)"),
+                   ("lazy", lambda c: c.get("lazy_rescale", False), "lazy rescaling (`lazy_rescale=True`)")]
+        found = [(label, min(c["us"] for c in att["configs"] if test(c)))
+                 for _, test, label in options if any(test(c) for c in att["configs"])]
+        if found:
+            out += [f"Of the {len(att['configs'])} configurations swept, the fastest with each option: "
+                    + "; ".join(f"{label} {us:.1f} us" for label, us in found) + ".", ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:
         out += ["## Step period with the decoder in its own process", "",
