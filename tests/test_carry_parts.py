@@ -33,3 +33,20 @@ def test_split_receive_assemble_round_trip_and_errors(tmp_path):
     (store / "p02").write_bytes(bytes(damaged))
     with pytest.raises(ValueError, match="checksum mismatch"):
         carry_parts.assemble(store, tmp_path / "out2")
+
+
+def test_with_site_runs_a_module_with_the_folder_after_the_interpreters_own(tmp_path):
+    import subprocess
+
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "json.py").write_text("raise RuntimeError('shadowed the standard library')\n")
+    (site_dir / "probe_mod.py").write_text("import json, sys\nprint(json.dumps({'args': sys.argv[1:]}))\n")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "tools" / "with_site.py"), str(site_dir), "probe_mod", "--x", "1"],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == '{"args": ["--x", "1"]}'
+    bad = subprocess.run([sys.executable, str(root / "tools" / "with_site.py"), str(site_dir)], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "usage" in bad.stderr

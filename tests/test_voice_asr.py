@@ -64,3 +64,37 @@ def test_device_choice():
 def test_non_speech_annotations_are_dropped():
     assert clean_transcript(" [Music] Hello (coughs) there ♪ ") == "Hello there"
     assert clean_transcript(" . ") == ""
+
+
+class _CudaWithoutCublas:
+    """What CTranslate2's CUDA build gives on a machine without CUDA 12's cuBLAS: it loads, the first encode fails."""
+
+    def __init__(self, real):
+        self.feature_extractor = real.feature_extractor
+
+        class _Model:
+            def encode(self, features):
+                raise RuntimeError("Library libcublas.so.12 is not found or cannot be loaded")
+
+        self.model = _Model()
+
+
+def test_unusable_cuda_falls_back_to_the_cpu_on_auto_and_is_a_clear_error_when_asked(asr, monkeypatch, caplog):
+    import voice.asr as asr_module
+
+    real_load = asr_module._load_model
+    monkeypatch.setattr(asr_module, "cuda_available", lambda: True)
+    monkeypatch.setattr(asr_module, "_load_model", lambda model, device, *rest: (
+        _CudaWithoutCublas(asr._whisper) if device == "cuda" else real_load(model, device, *rest)))
+    with caplog.at_level("WARNING", logger="voice.asr"):
+        fallback = WhisperASR(device="auto")
+    assert (fallback.device, fallback.compute_type) == ("cpu", "int8") and fallback._whisper is asr._whisper
+    assert "CUDA unusable (Library libcublas.so.12" in caplog.text
+    with pytest.raises(RuntimeError, match="cannot run on CUDA here .*libcublas.so.12.*use device 'cpu'"):
+        WhisperASR(device="cuda")
+
+
+def test_the_cuda_probe_passes_a_model_that_encodes(asr):
+    from voice.asr import cuda_problem
+
+    assert cuda_problem(asr._whisper) is None  # the same encode on the CPU model runs

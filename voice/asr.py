@@ -10,6 +10,7 @@ a missing model fails at once instead of downloading).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 
 # Whisper's annotations of non-speech ("[Music]", "(coughs)", "*sigh*") are not words said.
 _ANNOTATION = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*|♪+")
@@ -70,6 +72,20 @@ def _load_model(model: str, device: str, compute_type: str, cpu_threads: int, wo
     )
 
 
+def cuda_problem(whisper) -> str | None:
+    """Why a model loaded on CUDA cannot run there, or None. CTranslate2 reports a CUDA device whenever the
+    driver sees one, but its CUDA build also needs CUDA 12's cuBLAS, which it loads only at the first encode
+    (a machine with CUDA 13 libraries alone fails there): so one short encode is the probe."""
+    import ctranslate2
+
+    try:
+        features = whisper.feature_extractor(np.zeros(SAMPLE_RATE // 10, np.float32))
+        whisper.model.encode(ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None], np.float32)))
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
 @dataclass
 class WhisperASR:
     """Transcribe 16 kHz mono float32 utterances; models are loaded once per process."""
@@ -84,11 +100,19 @@ class WhisperASR:
     workers: int = 2
 
     def __post_init__(self) -> None:
+        asked = self.device
         self.device, self.compute_type = resolve_device(self.device)
         self.model_name = str(self.model) if self.model is not None else str(default_model_path())
         if self.model is not None and os.path.sep in self.model_name and not Path(self.model_name).is_dir():
             raise ValueError(f"ASR model directory not found: {self.model_name}")
         self._whisper = _load_model(self.model_name, self.device, self.compute_type, os.cpu_count() or 1, self.workers)
+        problem = cuda_problem(self._whisper) if self.device == "cuda" else None
+        if problem is not None:
+            if asked == "cuda":
+                raise RuntimeError(f"speech recognition cannot run on CUDA here ({problem}); use device 'cpu'")
+            log.warning("speech recognition: CUDA unusable (%s); running on the CPU (int8)", problem)
+            self.device, self.compute_type = "cpu", "int8"
+            self._whisper = _load_model(self.model_name, "cpu", "int8", os.cpu_count() or 1, self.workers)
         from faster_whisper.tokenizer import Tokenizer
 
         multilingual = self._whisper.model.is_multilingual
