@@ -301,6 +301,7 @@ def main() -> None:
                 f"FP8 kernel relative L2 error against exact attention over the same FP8 cache: {best['rel_err']:.3f}.", ""]
         options = [("splits", lambda c: c.get("splits", 1) > 1, "the KV axis split in 2"),
                    ("exp2", lambda c: c.get("exp2") == "fma", "2^x on the FMA units (`exp2=fma`)"),
+                   ("mixed", lambda c: c.get("exp2") == "mixed", "2^x half on each unit (`exp2=mixed`)"),
                    ("lazy", lambda c: c.get("lazy_rescale", False), "lazy rescaling (`lazy_rescale=True`)")]
         found = [(label, min(c["us"] for c in att["configs"] if test(c)))
                  for _, test, label in options if any(test(c) for c in att["configs"])]

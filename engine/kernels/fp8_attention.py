@@ -5,7 +5,9 @@ with one scale per head, and a validity byte per slot (empty ring slots and sink
 padding are masked). Both products run in FP8: q·kᵀ, and P·V with the probabilities
 scaled by 256 before rounding so small ones keep precision. The KV axis can be split
 across programs (flash-decoding): at 757 queries x 20 heads there are too few query
-blocks to fill 132 SMs, so splits are merged afterwards by their log-sum-exp.
+blocks to fill 132 SMs, so splits are merged afterwards by their log-sum-exp. At FP8 rates
+the softmax's 2^x competes with the products: `exp2` puts it on the special-function unit
+("mufu"), on the FMA units ("fma", a polynomial), or half on each ("mixed").
 
 Output (M, H*D) in bf16, the layout the attention's out-projection reads.
 """
@@ -22,7 +24,7 @@ from engine.kernels import interpreting
 from engine.kernels.common import to_fp8
 
 LOG2E = 1.4426950408889634
-EXP2_UNITS = ("mufu", "fma")
+EXP2_UNITS = ("mufu", "fma", "mixed")
 
 
 @triton.jit
@@ -46,7 +48,8 @@ def _attn_kernel(
     part_o, part_m, part_l,  # (SPLITS, H, M, D) f32, (SPLITS, H, M) f32 x2 when SPLITS > 1
     H, M, S, blocks_per_split,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr,
-    PV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP2_FMA: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    PV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP2_UNIT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,9 +63,13 @@ def _attn_kernel(
     lo = split * blocks_per_split * BLOCK_N
     for i in tl.range(0, blocks_per_split, warp_specialize=WARP_SPECIALIZE):
         cols = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < S
-        k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :], mask=col_ok[:, None], other=0.0)
-        bias = tl.where(tl.load(valid + cols, mask=col_ok, other=0) != 0, 0.0, float("-inf"))
+        if EVEN_N:  # the splits tile the slots exactly: no bounds masks in the loop
+            k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :])
+            bias = tl.where(tl.load(valid + cols) != 0, 0.0, float("-inf"))
+        else:
+            col_ok = cols < S
+            k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :], mask=col_ok[:, None], other=0.0)
+            bias = tl.where(tl.load(valid + cols, mask=col_ok, other=0) != 0, 0.0, float("-inf"))
         s = tl.dot(q_blk, tl.trans(k_blk)) * scale + bias[None, :]
         m_blk = tl.max(s, 1)
         if LAZY_RESCALE:
@@ -87,12 +94,19 @@ def _attn_kernel(
             m_i = m_new
         # Probabilities against (maximum - 8): scaled by 256 so that small ones keep precision in
         # e4m3; numerator and denominator carry the same factor, which cancels at the end.
-        if EXP2_FMA:
-            p = _exp2_fma(s - (m_safe - 8.0)[:, None])
+        x = s - (m_safe - 8.0)[:, None]
+        if EXP2_UNIT == "fma":
+            p = _exp2_fma(x)
+        elif EXP2_UNIT == "mixed":  # odd columns on the FMA units, even ones on the special-function unit
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_N // 2, 2)))
+            p = tl.reshape(tl.join(tl.exp2(x_even), _exp2_fma(x_odd)), (BLOCK_M, BLOCK_N))
         else:
-            p = tl.exp2(s - (m_safe - 8.0)[:, None])
+            p = tl.exp2(x)
         l_i = l_i + tl.sum(p, 1)
-        v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :], mask=col_ok[None, :], other=0.0)
+        if EVEN_N:
+            v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :])
+        else:
+            v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :], mask=col_ok[None, :], other=0.0)
         if PV_FP8:
             acc = tl.dot(to_fp8(p, EXACT), tl.trans(v_blk), acc)
         else:  # P in bf16 against V widened to bf16: half the rate, less rounding
@@ -143,6 +157,7 @@ class FP8Attention:
         self.num_warps, self.num_stages, self.pv_fp8 = num_warps, num_stages, pv_fp8
         self.warp_specialize = warp_specialize and not interpreting()
         self.blocks_per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n)
+        self.even_n = splits * self.blocks_per_split * block_n == n_slots
         shape = (max(splits, 1), n_heads, n_queries)
         self.part_o = torch.empty(*shape, head_dim, device=device, dtype=torch.float32) if splits > 1 else None
         self.part_m = torch.empty(shape, device=device, dtype=torch.float32) if splits > 1 else None
@@ -163,8 +178,8 @@ class FP8Attention:
             self.part_l if self.splits > 1 else dummy,
             H, M, self.S, self.blocks_per_split,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, SPLITS=self.splits, EXACT=interpreting(),
-            PV_FP8=self.pv_fp8, WARP_SPECIALIZE=self.warp_specialize, EXP2_FMA=self.exp2 == "fma",
-            LAZY_RESCALE=self.lazy_rescale, num_warps=self.num_warps, num_stages=self.num_stages,
+            PV_FP8=self.pv_fp8, WARP_SPECIALIZE=self.warp_specialize, EXP2_UNIT=self.exp2,
+            LAZY_RESCALE=self.lazy_rescale, EVEN_N=self.even_n, num_warps=self.num_warps, num_stages=self.num_stages,
         )
         if self.splits > 1:
             _merge_kernel[(triton.cdiv(M, 64), H)](
