@@ -4,6 +4,7 @@ served by uvicorn; on exit the live session, the voice loop and the engine are c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -24,8 +25,15 @@ STATIC = Path(__file__).resolve().parent / "static"
 
 
 def build_api(controller: Controller) -> FastAPI:
-    api = FastAPI(title="talkloop")
     peers: set = set()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_api: FastAPI):
+        yield
+        for peer in list(peers):  # on shutdown: close the browser's WebRTC connection
+            await peer.close()
+
+    api = FastAPI(title="talkloop", lifespan=lifespan)
 
     @api.get("/talkloop/client-config")
     async def client_config() -> dict:
@@ -56,19 +64,12 @@ def build_api(controller: Controller) -> FastAPI:
         controller.client_error = message[:500]
         return {"ok": True}
 
-    @api.on_event("shutdown")
-    async def close_peers() -> None:
-        for peer in list(peers):
-            await peer.close()
-
     api.mount("/talkloop/static", StaticFiles(directory=STATIC), name="talkloop-static")
     return api
 
 
 def build_app(controller: Controller):
     """The ASGI app: signalling routes, then Gradio's page at /; recordings may be served for replay."""
-    import contextlib
-
     import gradio as gr
 
     from app.ui import build_ui

@@ -123,7 +123,8 @@ def build_ui(controller: Controller) -> gr.Blocks:
                     session_text = gr.Markdown(elem_id="tl-session")
                     failures = gr.HTML(elem_id="tl-failures")
                 with gr.Column(scale=2):
-                    transcript = gr.Chatbot(type="messages", label="conversation", elem_id="tl-transcript", height=420)
+                    transcript = gr.Chatbot(type="messages", label="conversation", elem_id="tl-transcript", height=420,
+                                            allow_tags=False)
             with gr.Row():
                 with gr.Column(scale=3):
                     gr.Markdown("### Latency per turn")
@@ -137,7 +138,8 @@ def build_ui(controller: Controller) -> gr.Blocks:
                 refresh_btn = gr.Button("Refresh list", elem_id="tl-recordings-refresh")
             with gr.Row():
                 video = gr.Video(label="session", elem_id="tl-replay-video")
-                replay_transcript = gr.Chatbot(type="messages", label="transcript", elem_id="tl-replay-transcript")
+                replay_transcript = gr.Chatbot(type="messages", label="transcript", elem_id="tl-replay-transcript",
+                                           allow_tags=False)
             replay_latency = gr.HTML(elem_id="tl-replay-latency")
 
         timer = gr.Timer(0.5)

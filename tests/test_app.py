@@ -262,3 +262,37 @@ def test_hls_microphone_chunks_become_mono_float():
 def test_unknown_transport_is_named(tmp_path):
     with pytest.raises(ValueError, match="transport must be webrtc or hls"):
         build_config(None, {"transport": "carrier-pigeon"})
+
+
+# Signalling routes ---------------------------------------------------------------------------------
+def test_offers_replace_the_previous_viewer_and_shutdown_closes_the_last(monkeypatch):
+    import types
+
+    from fastapi.testclient import TestClient
+
+    import app.rtc
+    from app.server import build_api
+
+    made = []
+
+    class FakePeer:
+        def __init__(self, controller, live, loop):
+            self.closed = False
+            made.append(self)
+
+        async def answer(self, sdp, kind):
+            return types.SimpleNamespace(sdp="answer to " + sdp, type="answer")
+
+        async def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(app.rtc, "Peer", FakePeer)
+    controller = types.SimpleNamespace(config=AppConfig(), live=None, client_error=None)
+    with TestClient(build_api(controller)) as client:
+        assert client.post("/talkloop/offer", json={"sdp": "x", "type": "offer"}).status_code == 409  # not started
+        assert client.post("/talkloop/offer", json={"sdp": 1}).status_code == 400
+        controller.live = object()
+        assert client.post("/talkloop/offer", json={"sdp": "v=0", "type": "offer"}).json() == {"sdp": "answer to v=0", "type": "answer"}
+        client.post("/talkloop/offer", json={"sdp": "v=1", "type": "offer"})
+        assert [p.closed for p in made] == [True, False]  # one viewer at a time
+    assert [p.closed for p in made] == [True, True]  # the server's shutdown closed the last one
