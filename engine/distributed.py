@@ -208,8 +208,8 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
             from engine.kernels.fp8_linear import quantize_linears_
 
             quantize_linears_(model, fuse=device.type == "cuda")
-        if job.overlap and device.type == "cuda":
-            use_symmetric_combine_(model, job.spec.frame_tokens, device)
+        if job.overlap and device.type == "cuda":  # push: the faster layout on two H200s (docs/benchmarks.md)
+            use_symmetric_combine_(model, job.spec.frame_tokens, device, push=True)
         elif job.overlap:
             for block in model.blocks:
                 block.combine = OverlappedCombine(block, job.spec.frame_tokens)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash tools/gpu_suite.sh [tests|attention|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare]...
+#   bash tools/gpu_suite.sh [tests|attention|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2]...
 # soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
-# two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1).
+# two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1; compare-x2:
+# the tensor-parallel and fused all-reduce paths against the rerun band).
 # A 10-minute soak outlasts one device call: soak-start leaves it running detached (setsid) and
 # soak-collect, in the next call on the same machine, waits for it and copies its report to $OUT.
 set -uo pipefail
@@ -66,5 +67,10 @@ for part in $parts; do
     run python3 -m engine.quality compare --spec demo --a reference --b fp8-cache --b fp8-attention --b cuda-graph --b fp8-gemm \
       --clips "${COMPARE_CLIPS:-24}" --clip-seconds 4 --json > "$OUT/compare_demo.json" \
       && python3 -c "import json;r=json.load(open('$OUT/compare_demo.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
+  fi
+  if [[ $part == compare-x2 ]]; then  # two GPUs: tensor parallel, fused GEMM + all-reduce; COMPARE_CLIPS (default 12: an engine start per clip)
+    run python3 -m engine.quality compare --spec demo --a fp8-attention --b fp8-attention,tp=2 \
+      --b fp8-attention,tp=2,fused_allreduce=true --clips "${COMPARE_CLIPS:-12}" --clip-seconds 4 --json > "$OUT/compare_demo_x2.json" \
+      && python3 -c "import json;r=json.load(open('$OUT/compare_demo_x2.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
   fi
 done
