@@ -451,10 +451,12 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     qks = qk_scale(scale, scale, D)
     configs = []
     # Tile shapes and pipeline depths, each with: the softmax's 2^x on the special-function unit, on the
-    # FMA units, or half on each; the accumulator rescaled lazily; the KV axis split (more programs than SMs).
-    variants = (("mufu", False, 1), ("mixed", False, 1), ("fma", False, 1), ("mufu", True, 1), ("mufu", False, 2))
-    sweep = [dict(block_m=64, block_n=bn, num_warps=4, num_stages=st, splits=sp, exp2=e, lazy_rescale=lazy)
-             for bn in (64, 128) for st in (3, 4) for e, lazy, sp in variants]
+    # FMA units, or half on each; the accumulator rescaled lazily; the KV axis split (more programs than SMs);
+    # K and V tiles fetched by the copy engine (TMA, where the tiles divide the slots).
+    variants = (("mufu", False, 1, False), ("mixed", False, 1, False), ("fma", False, 1, False), ("mufu", True, 1, False),
+                ("mufu", False, 2, False), ("mufu", False, 1, True), ("mixed", False, 1, True))
+    sweep = [dict(block_m=64, block_n=bn, num_warps=4, num_stages=st, splits=sp, exp2=e, lazy_rescale=lazy, tma=tma)
+             for bn in (64, 128) for st in (3, 4) for e, lazy, sp, tma in variants if not (tma and S % (sp * bn))]
     sweep += [dict(block_m=128, block_n=128, num_warps=8, num_stages=st, splits=1, exp2=e) for st in (3, 4) for e in ("mufu", "mixed")]
     for opts in sweep:
         opts = dict(opts, pv_fp8=True, warp_specialize=False)
@@ -647,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--world", type=int, default=1,
                     help="GPUs, one tensor-parallel rank each, communication included (default: one rank's share, no communication)")
     st.add_argument("--warmup", type=int, default=3)
-    st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale")
+    st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")

@@ -7,7 +7,8 @@ scaled by 256 before rounding so small ones keep precision. The KV axis can be s
 across programs (flash-decoding): at 757 queries x 20 heads there are too few query
 blocks to fill 132 SMs, so splits are merged afterwards by their log-sum-exp. At FP8 rates
 the softmax's 2^x competes with the products: `exp2` puts it on the special-function unit
-("mufu"), on the FMA units ("fma", a polynomial), or half on each ("mixed").
+("mufu"), on the FMA units ("fma", a polynomial), or half on each ("mixed"). With `tma` the
+K and V tiles come through tensor descriptors (Hopper's copy engine) instead of pointer loads.
 
 Output (M, H*D) in bf16, the layout the attention's out-projection reads.
 """
@@ -44,12 +45,13 @@ def _exp2_fma(x):
 @triton.jit
 def _attn_kernel(
     q, k, vt, valid, qk_scale, v_scale,  # (H, M, D), (H, S, D), (H, D, S), (S,), (H,), (H,)
+    k_desc, vt_desc,  # with TMA: descriptors of k as (H*S, D) and vt as (H*D, S); else unused
     out, s_om, s_oh,  # (M, H*D) bf16 when SPLITS == 1
     part_o, part_m, part_l,  # (SPLITS, H, M, D) f32, (SPLITS, H, M) f32 x2 when SPLITS > 1
     H, M, S, blocks_per_split,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr,
     PV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP2_UNIT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    EVEN_N: tl.constexpr,
+    EVEN_N: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,7 +65,10 @@ def _attn_kernel(
     lo = split * blocks_per_split * BLOCK_N
     for i in tl.range(0, blocks_per_split, warp_specialize=WARP_SPECIALIZE):
         cols = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        if EVEN_N:  # the splits tile the slots exactly: no bounds masks in the loop
+        if TMA:  # the copy engine fetches the tile (EVEN_N holds: tiles never cross into the next head)
+            k_blk = k_desc.load([h * S + lo + i * BLOCK_N, 0])
+            bias = tl.where(tl.load(valid + cols) != 0, 0.0, float("-inf"))
+        elif EVEN_N:  # the splits tile the slots exactly: no bounds masks in the loop
             k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :])
             bias = tl.where(tl.load(valid + cols) != 0, 0.0, float("-inf"))
         else:
@@ -103,7 +108,9 @@ def _attn_kernel(
         else:
             p = tl.exp2(x)
         l_i = l_i + tl.sum(p, 1)
-        if EVEN_N:
+        if TMA:
+            v_blk = vt_desc.load([h * D, lo + i * BLOCK_N])
+        elif EVEN_N:
             v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :])
         else:
             v_blk = tl.load(vt + h * D * S + d[:, None] * S + cols[None, :], mask=col_ok[None, :], other=0.0)
@@ -148,7 +155,8 @@ class FP8Attention:
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device: torch.device,
                  block_m: int = 64, block_n: int = 128, splits: int = 1, num_warps: int = 4, num_stages: int = 3,
-                 pv_fp8: bool = True, warp_specialize: bool = False, exp2: str = "mufu", lazy_rescale: bool = False):
+                 pv_fp8: bool = True, warp_specialize: bool = False, exp2: str = "mufu", lazy_rescale: bool = False,
+                 tma: bool = False):
         if exp2 not in EXP2_UNITS:
             raise ValueError(f"exp2 must be one of {', '.join(EXP2_UNITS)}, got {exp2!r}")
         self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
@@ -158,6 +166,9 @@ class FP8Attention:
         self.warp_specialize = warp_specialize and not interpreting()
         self.blocks_per_split = triton.cdiv(triton.cdiv(n_slots, splits), block_n)
         self.even_n = splits * self.blocks_per_split * block_n == n_slots
+        if tma and not self.even_n:
+            raise ValueError(f"tma needs the slots ({n_slots}) to be a whole number of splits x block_n ({splits} x {block_n})")
+        self.tma = tma
         shape = (max(splits, 1), n_heads, n_queries)
         self.part_o = torch.empty(*shape, head_dim, device=device, dtype=torch.float32) if splits > 1 else None
         self.part_m = torch.empty(shape, device=device, dtype=torch.float32) if splits > 1 else None
@@ -172,14 +183,21 @@ class FP8Attention:
         H, M, D = q8.shape
         grid = (triton.cdiv(M, self.block_m), H, self.splits)
         dummy = out
+        k_desc, vt_desc = k8, vt8
+        if self.tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            k_desc = TensorDescriptor.from_tensor(k8.view(H * self.S, D), [self.block_n, D])
+            vt_desc = TensorDescriptor.from_tensor(vt8.view(H * D, self.S), [D, self.block_n])
         _attn_kernel[grid](
-            q8, k8, vt8, valid, qk_scale, v_scale, out, out.stride(0), D,
+            q8, k8, vt8, valid, qk_scale, v_scale, k_desc, vt_desc, out, out.stride(0), D,
             self.part_o if self.splits > 1 else dummy, self.part_m if self.splits > 1 else dummy,
             self.part_l if self.splits > 1 else dummy,
             H, M, self.S, self.blocks_per_split,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, SPLITS=self.splits, EXACT=interpreting(),
             PV_FP8=self.pv_fp8, WARP_SPECIALIZE=self.warp_specialize, EXP2_UNIT=self.exp2,
-            LAZY_RESCALE=self.lazy_rescale, EVEN_N=self.even_n, num_warps=self.num_warps, num_stages=self.num_stages,
+            LAZY_RESCALE=self.lazy_rescale, EVEN_N=self.even_n, TMA=self.tma, num_warps=self.num_warps,
+            num_stages=self.num_stages,
         )
         if self.splits > 1:
             _merge_kernel[(triton.cdiv(M, 64), H)](
