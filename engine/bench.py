@@ -458,6 +458,8 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     sweep = [dict(block_m=64, block_n=bn, num_warps=4, num_stages=st, splits=sp, exp2=e, lazy_rescale=lazy, tma=tma)
              for bn in (64, 128) for st in (3, 4) for e, lazy, sp, tma in variants if not (tma and S % (sp * bn))]
     sweep += [dict(block_m=128, block_n=128, num_warps=8, num_stages=st, splits=1, exp2=e) for st in (3, 4) for e in ("mufu", "mixed")]
+    sweep += [dict(block_m=128, block_n=64, num_warps=8, num_stages=3, splits=1, exp2=e, tma=True) for e in ("mufu", "mixed")
+              if S % 64 == 0]
     for opts in sweep:
         opts = dict(opts, pv_fp8=True, warp_specialize=False)
         try:
