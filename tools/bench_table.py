@@ -302,7 +302,8 @@ def main() -> None:
         options = [("splits", lambda c: c.get("splits", 1) > 1, "the KV axis split in 2"),
                    ("exp2", lambda c: c.get("exp2") == "fma", "2^x on the FMA units (`exp2=fma`)"),
                    ("mixed", lambda c: c.get("exp2") == "mixed", "2^x half on each unit (`exp2=mixed`)"),
-                   ("lazy", lambda c: c.get("lazy_rescale", False), "lazy rescaling (`lazy_rescale=True`)")]
+                   ("lazy", lambda c: c.get("lazy_rescale", False), "lazy rescaling (`lazy_rescale=True`)"),
+                   ("tma", lambda c: c.get("tma", False), "K and V tiles through TMA (`tma=True`)")]
         found = [(label, min(c["us"] for c in att["configs"] if test(c)))
                  for _, test, label in options if any(test(c) for c in att["configs"])]
         if found:
