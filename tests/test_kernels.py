@@ -68,13 +68,14 @@ def test_frame_write_sink_and_reset_rotation_match_pytorch():
     close_fp8(fast.q8, fp8.quantize(apply_rope(frame[0], cos, sin), fast.q_scale[-1]), fast.q_scale[-1])
 
 
-@pytest.mark.parametrize("splits, exp2, lazy, S, tma", [
-    (1, "mufu", False, 300, False), (3, "mufu", False, 300, False), (1, "fma", False, 300, False),
-    (1, "fma", True, 300, False), (3, "mufu", True, 300, False), (1, "mixed", False, 300, False),
-    (1, "mixed", False, 512, False), (2, "mufu", False, 512, False), (1, "mufu", False, 512, True), (2, "mixed", True, 512, True)])
-def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2, lazy, S, tma):
+@pytest.mark.parametrize("splits, exp2, lazy, S, tma, pv_fp8", [
+    (1, "mufu", False, 300, False, True), (3, "mufu", False, 300, False, True), (1, "fma", False, 300, False, True),
+    (1, "fma", True, 300, False, True), (3, "mufu", True, 300, False, True), (1, "mixed", False, 300, False, True),
+    (1, "mixed", False, 512, False, True), (2, "mufu", False, 512, False, True), (1, "mufu", False, 512, True, True),
+    (2, "mixed", True, 512, True, True), (1, "mufu", False, 300, False, False), (1, "mufu", False, 512, True, False)])
+def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2, lazy, S, tma, pv_fp8):
     """S = 512 is a whole number of blocks (and of splits x blocks): the kernel's loop runs without bounds masks,
-    and the K and V tiles may come through tensor descriptors (TMA)."""
+    and the K and V tiles may come through tensor descriptors (TMA). pv_fp8=False: P x V in bf16."""
     g = torch.Generator().manual_seed(1)
     H, M, D = 2, 70, SPEC.head_dim if DEVICE.type == "cpu" else 128
     scale = fp8.per_head_scale(torch.ones(H, D)).to(DEVICE)
@@ -85,7 +86,8 @@ def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2,
     valid[40:130] = 0  # empty ring slots
     out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
-    attention = FP8Attention(H, M, S, D, DEVICE, splits=splits, exp2=exp2, lazy_rescale=lazy, tma=tma, **blocks)
+    attention = FP8Attention(H, M, S, D, DEVICE, splits=splits, exp2=exp2, lazy_rescale=lazy, tma=tma, pv_fp8=pv_fp8,
+                             **blocks)
     block_n = blocks.get("block_n", attention.block_n)
     assert attention.even_n == (S % (splits * block_n) == 0)
     attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
