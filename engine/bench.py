@@ -460,7 +460,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     sweep += [dict(block_m=128, block_n=128, num_warps=8, num_stages=st, splits=1, exp2=e) for st in (3, 4) for e in ("mufu", "mixed")]
     sweep += [dict(block_m=128, block_n=64, num_warps=8, num_stages=3, splits=1, exp2=e, tma=True) for e in ("mufu", "mixed")
               if S % 64 == 0]
-    # P x V in bf16 (V widened): half the MMA rate, but P stays in the accumulator's register layout, where
+    # P x V in fp16 (V widened): half the MMA rate, but P stays in the accumulator's register layout, where
     # an e4m3 P must first be shuffled into the layout of an FP8 operand.
     sweep += [dict(block_m=64, block_n=bn, num_warps=4, num_stages=3, splits=1, exp2="mufu", pv_fp8=False) for bn in (64, 128)]
     for opts in sweep:

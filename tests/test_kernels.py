@@ -75,7 +75,7 @@ def test_frame_write_sink_and_reset_rotation_match_pytorch():
     (2, "mixed", True, 512, True, True), (1, "mufu", False, 300, False, False), (1, "mufu", False, 512, True, False)])
 def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2, lazy, S, tma, pv_fp8):
     """S = 512 is a whole number of blocks (and of splits x blocks): the kernel's loop runs without bounds masks,
-    and the K and V tiles may come through tensor descriptors (TMA). pv_fp8=False: P x V in bf16."""
+    and the K and V tiles may come through tensor descriptors (TMA). pv_fp8=False: P x V in fp16."""
     g = torch.Generator().manual_seed(1)
     H, M, D = 2, 70, SPEC.head_dim if DEVICE.type == "cpu" else 128
     scale = fp8.per_head_scale(torch.ones(H, D)).to(DEVICE)
@@ -88,8 +88,7 @@ def test_fp8_attention_matches_exact_attention_over_the_same_cache(splits, exp2,
     blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
     attention = FP8Attention(H, M, S, D, DEVICE, splits=splits, exp2=exp2, lazy_rescale=lazy, tma=tma, pv_fp8=pv_fp8,
                              **blocks)
-    block_n = blocks.get("block_n", attention.block_n)
-    assert attention.even_n == (S % (splits * block_n) == 0)
+    assert attention.even_n == (S % (splits * attention.block_n) == 0)
     attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
     ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
     assert torch.isfinite(out).all()

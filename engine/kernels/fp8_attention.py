@@ -65,16 +65,18 @@ def _attn_kernel(
     lo = split * blocks_per_split * BLOCK_N
     for i in tl.range(0, blocks_per_split, warp_specialize=WARP_SPECIALIZE):
         cols = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        if TMA:  # the copy engine fetches the tile (EVEN_N holds: tiles never cross into the next head)
-            k_blk = k_desc.load([h * S + lo + i * BLOCK_N, 0])
-            bias = tl.where(tl.load(valid + cols) != 0, 0.0, float("-inf"))
-        elif EVEN_N:  # the splits tile the slots exactly: no bounds masks in the loop
-            k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :])
-            bias = tl.where(tl.load(valid + cols) != 0, 0.0, float("-inf"))
+        if EVEN_N:  # the splits tile the slots exactly: no bounds masks in the loop (TMA implies it)
+            live = tl.load(valid + cols)
         else:
             col_ok = cols < S
+            live = tl.load(valid + cols, mask=col_ok, other=0)
+        bias = tl.where(live != 0, 0.0, float("-inf"))
+        if TMA:  # the copy engine fetches the tile; with EVEN_N tiles never cross into the next head
+            k_blk = k_desc.load([h * S + lo + i * BLOCK_N, 0])
+        elif EVEN_N:
+            k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :])
+        else:
             k_blk = tl.load(k + h * S * D + cols[:, None] * D + d[None, :], mask=col_ok[:, None], other=0.0)
-            bias = tl.where(tl.load(valid + cols, mask=col_ok, other=0) != 0, 0.0, float("-inf"))
         s = tl.dot(q_blk, tl.trans(k_blk)) * scale + bias[None, :]
         m_blk = tl.max(s, 1)
         if LAZY_RESCALE:
@@ -169,6 +171,7 @@ class FP8Attention:
         if tma and not self.even_n:
             raise ValueError(f"tma needs the slots ({n_slots}) to be a whole number of splits x block_n ({splits} x {block_n})")
         self.tma = tma
+        self._tma_descriptors: dict[tuple[int, int], tuple] = {}  # per (k, vt) buffer pair: one per cache layer
         shape = (max(splits, 1), n_heads, n_queries)
         self.part_o = torch.empty(*shape, head_dim, device=device, dtype=torch.float32) if splits > 1 else None
         self.part_m = torch.empty(shape, device=device, dtype=torch.float32) if splits > 1 else None
@@ -183,12 +186,7 @@ class FP8Attention:
         H, M, D = q8.shape
         grid = (triton.cdiv(M, self.block_m), H, self.splits)
         dummy = out
-        k_desc, vt_desc = k8, vt8
-        if self.tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            k_desc = TensorDescriptor.from_tensor(k8.view(H * self.S, D), [self.block_n, D])
-            vt_desc = TensorDescriptor.from_tensor(vt8.view(H * D, self.S), [D, self.block_n])
+        k_desc, vt_desc = self._descriptors(k8, vt8) if self.tma else (k8, vt8)
         _attn_kernel[grid](
             q8, k8, vt8, valid, qk_scale, v_scale, k_desc, vt_desc, out, out.stride(0), D,
             self.part_o if self.splits > 1 else dummy, self.part_m if self.splits > 1 else dummy,
@@ -205,6 +203,17 @@ class FP8Attention:
                 D=D, BLOCK_M=64, SPLITS=self.splits, num_warps=4,
             )
         return out
+
+    def _descriptors(self, k8: torch.Tensor, vt8: torch.Tensor) -> tuple:
+        """TMA descriptors of k as (H*S, D) and vt as (H*D, S), made once per buffer pair."""
+        key = (k8.data_ptr(), vt8.data_ptr())
+        if key not in self._tma_descriptors:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            H, S, D = self.H, self.S, self.D
+            self._tma_descriptors[key] = (TensorDescriptor.from_tensor(k8.view(H * S, D), [self.block_n, D]),
+                                          TensorDescriptor.from_tensor(vt8.view(H * D, S), [D, self.block_n]))
+        return self._tma_descriptors[key]
 
 
 def qk_scale(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) -> torch.Tensor:
