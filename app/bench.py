@@ -41,7 +41,7 @@ def delivered_turns(live) -> list[dict[str, Any]]:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
-    from app.browser import conversation_wav, launch_chromium, start_server, stop_server
+    from app.browser import conversation_wav, start_in_browser, start_server, stop_server
     from app.config import build_config
     from app.controller import Controller
     from voice.bench import QUESTIONS
@@ -59,10 +59,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     try:
         with sync_playwright() as p:
-            browser = launch_chromium(p, wav)
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.goto(f"http://127.0.0.1:{config.port}/")
-            page.click("#tl-start")
+            browser, page = start_in_browser(p, wav, config.port)
             deadline = time.monotonic() + args.utterances * (args.gap_s + 6.0) + 120.0
             while time.monotonic() < deadline:
                 live = controller.live

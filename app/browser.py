@@ -65,3 +65,12 @@ def launch_chromium(playwright, wav: str | Path | None, *, deny_microphone: bool
     else:
         args.append("--use-fake-ui-for-media-stream")
     return playwright.chromium.launch(executable_path=chromium_path(), headless=True, args=args)
+
+
+def start_in_browser(playwright, wav: str | Path | None, port: int, *, deny_microphone: bool = False):
+    """(browser, page): chromium with `wav` as its microphone on the app at `port`, Start pressed."""
+    browser = launch_chromium(playwright, wav, deny_microphone=deny_microphone)
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(f"http://127.0.0.1:{port}/")
+    page.click("#tl-start")
+    return browser, page

@@ -21,7 +21,7 @@ if shutil.which("chromium") is None:
 
 from playwright.sync_api import sync_playwright  # noqa: E402
 
-from app.browser import conversation_wav, launch_chromium, start_server, stop_server  # noqa: E402
+from app.browser import conversation_wav, launch_chromium, start_in_browser, start_server, stop_server  # noqa: E402
 from app.config import build_config  # noqa: E402
 from app.controller import Controller  # noqa: E402
 from app.latency import STAGES  # noqa: E402
@@ -62,12 +62,8 @@ def app(tmp_path_factory):
 def test_one_turn_in_the_browser(app):
     controller, tmp = app
     wav = conversation_wav(tmp / "question.wav", [sample_speech("What is your name?")], gap_s=12.0)
-    url = f"http://127.0.0.1:{controller.config.port}/"
     with sync_playwright() as p:
-        browser = launch_chromium(p, wav)
-        page = browser.new_page(viewport={"width": 1280, "height": 1000})
-        page.goto(url)
-        page.click("#tl-start")
+        browser, page = start_in_browser(p, wav, controller.config.port)
         wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > 24, 60, "the video to play")
 
         # The transcript shows what was said and the character's answer.
@@ -128,10 +124,8 @@ def test_one_turn_in_the_browser(app):
 def test_switching_the_preset_while_live_starts_a_session_on_it(app):
     controller, tmp = app
     with sync_playwright() as p:
-        browser = launch_chromium(p, conversation_wav(tmp / "quiet.wav", [np.zeros(1600, np.float32)], gap_s=1.0))
-        page = browser.new_page()
-        page.goto(f"http://127.0.0.1:{controller.config.port}/")
-        page.click("#tl-start")
+        quiet = conversation_wav(tmp / "quiet.wav", [np.zeros(1600, np.float32)], gap_s=1.0)
+        browser, page = start_in_browser(p, quiet, controller.config.port)
         wait_for(lambda: controller.live is not None and controller.live.preset == "ada", 30, "a live session on ada")
         first = controller.live
         page.locator("#tl-preset input").click()
@@ -167,10 +161,7 @@ def test_recorded_session_replays_with_its_latency_panel(app):
 def test_a_denied_microphone_is_shown(app):
     controller, _ = app
     with sync_playwright() as p:
-        browser = launch_chromium(p, None, deny_microphone=True)
-        page = browser.new_page()
-        page.goto(f"http://127.0.0.1:{controller.config.port}/")
-        page.click("#tl-start")
+        browser, page = start_in_browser(p, None, controller.config.port, deny_microphone=True)
         wait_for(lambda: "denied" in page.locator("#tl-status").inner_text(), 30, "the page to say the microphone was denied")
         wait_for(lambda: "denied" in page.locator("#tl-failures").inner_text(), 30, "the failure panel to show it")
         assert any("Microphone access was denied" in f for f in controller.failures())
@@ -188,10 +179,7 @@ def test_hls_fallback_plays_and_answers(tmp_path):
     wav = conversation_wav(tmp_path / "question.wav", [sample_speech("What is your name?")], lead_s=3.0, gap_s=12.0)
     try:
         with sync_playwright() as p:
-            browser = launch_chromium(p, wav)
-            page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            page.goto(f"http://127.0.0.1:{config.port}/")
-            page.click("#tl-start")
+            browser, page = start_in_browser(p, wav, config.port)
             page.locator("#tl-hls-mic").get_by_role("button", name=re.compile("record", re.I)).first.click()
             video_time = "() => { const v = document.querySelector('#tl-hls-video video'); return v ? v.currentTime : 0; }"
             wait_for(lambda: page.evaluate(video_time) > 1.0, 90, "the streamed video to play")
