@@ -158,7 +158,7 @@ def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
 
 @torch.no_grad()
 def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, *, fp8_gemms: bool,
-                 fused: bool = True, seed: int = 0) -> CausalVideoDiT:
+                 fused: bool = True, seed: int = 0, branch_streams: bool = False) -> CausalVideoDiT:
     """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device."""
     from engine.kernels.fp8_linear import quantize_linears_
 
@@ -176,7 +176,7 @@ def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dt
             p.normal_(0.0, 0.02, generator=g)
     model = model.to(dtype)
     if fp8_gemms:
-        quantize_linears_(model, fuse=fused)
+        quantize_linears_(model, fuse=fused, branch_streams=branch_streams)
     return model.eval()
 
 
@@ -265,10 +265,13 @@ def _step_stats(times: list[float], resets: list[float]) -> dict:
 
 
 @torch.no_grad()
-def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup: int, attention_options: dict | None) -> dict:
+def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup: int, attention_options: dict | None,
+               branch_streams: bool = False) -> dict:
     """One rank's step at tensor-parallel degree tp, communication left out: the serving path
-    (ring FP8 cache with write-time kernels, FP8 attention, FP8 GEMMs, CUDA graph) vs the
-    baseline (naive cache with read-time RoPE, SDPA in bf16, bf16 GEMMs, eager)."""
+    (ring FP8 cache with write-time kernels, FP8 attention, FP8 GEMMs, CUDA graph; each block's MLP
+    branch on a side stream with `branch_streams`) vs the baseline (naive cache with read-time
+    RoPE, SDPA in bf16, bf16 GEMMs, eager). The serving path's step is also timed with the other
+    branch-stream setting, on the same weights."""
     from engine.session import EngineSession
 
     full = get_spec(spec_name)
@@ -277,7 +280,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     ref_latent = torch.randn(full.latent_channels, *full.latent_grid, device=device, dtype=dtype)
     audio = torch.randn(full.frames_per_latent, full.n_mels, device=device)
     result: dict = {"bench": "step", "date": time.strftime("%Y-%m-%d"), "spec": full.name, "tp_shard": tp, "communication": "left out (one rank's compute only)",
-                    "device": _device_name(device), "torch": torch.__version__, "steps_timed": steps}
+                    "device": _device_name(device), "torch": torch.__version__, "steps_timed": steps,
+                    "branch_streams": branch_streams, "attention_options": attention_options or {}}
     try:
         import triton
 
@@ -287,16 +291,24 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
 
     def run_config(fast: bool) -> dict:
         torch.cuda.empty_cache()
-        model = random_shard(full, tp, device, dtype, fp8_gemms=fast)
+        model = random_shard(full, tp, device, dtype, fp8_gemms=fast, branch_streams=branch_streams)
         torch.cuda.reset_peak_memory_stats(device)
-        if fast:
-            session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True,
-                                    attention_options=attention_options)
-        else:
-            session = EngineSession(model, cache="reference")
+        serving = lambda: EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True,
+                                        attention_options=attention_options)
+        session = serving() if fast else EngineSession(model, cache="reference")
         session.start(ref_latent)
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast)
         out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+        if fast:  # the same weights with the other branch-stream setting (a fresh session: its own graph)
+            for block in model.blocks:
+                block.branch_streams = not branch_streams
+            other = serving()
+            other.start(ref_latent)
+            key = "step_ms_without_branch_streams" if branch_streams else "step_ms_with_branch_streams"
+            out[key] = statistics.median(_timed_steps(other, audio, steps, warmup, device, resets=False)[0])
+            for block in model.blocks:
+                block.branch_streams = branch_streams
+            del other
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
         out["gemm_ms"] = time_part(_gemms_of_a_step(model, full, device, dtype))
@@ -654,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--world", type=int, default=1,
                     help="GPUs, one tensor-parallel rank each, communication included (default: one rank's share, no communication)")
     st.add_argument("--warmup", type=int, default=3)
+    st.add_argument("--branch-streams", choices=("on", "off"), default="off",
+                    help="each block's MLP branch on a side stream beside its attention (the other setting is timed too)")
     st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
@@ -682,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.bench == "step" and args.world > 1:
             result = bench_step_group(args.spec, args.world, args.steps, args.warmup)
         elif args.bench == "step":
-            result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, json.loads(args.attention_options))
+            result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, json.loads(args.attention_options),
+                                branch_streams=args.branch_streams == "on")
         else:
             result = bench_attention(args.spec, args.tp_shard, device, args.repeats)
     except ValueError as e:

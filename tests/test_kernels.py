@@ -211,6 +211,13 @@ def test_ln_modulate_quant_matches_float_reference():
     r8, rs = quantize_rows_reference(ref)
     assert torch.allclose(sh, rs, rtol=1e-5)
     close_fp8(h8, r8, rs)
+    # the block's modulation table as a second shift and scale, added inside the kernel
+    shift2, scale2 = torch.randn(96, generator=g).to(DEVICE), torch.randn(96, generator=g).to(DEVICE) * 0.3
+    h8, sh = ln_modulate_quant(x, shift, scale, shift2=shift2, scale2=scale2)
+    r8, rs = quantize_rows_reference(modulate(torch.nn.functional.layer_norm(x.float(), (96,), eps=1e-6),
+                                              shift + shift2, scale + scale2))
+    assert torch.allclose(sh, rs, rtol=1e-5)
+    close_fp8(h8, r8, rs)
 
 
 def test_qkv_head_norm_matches_the_model_norms():
@@ -243,6 +250,8 @@ def test_swiglu_quant_and_gated_sum_match_float_reference():
     ga, gm = torch.randn(2100, generator=g).to(DEVICE), torch.randn(2100, generator=g).to(DEVICE)
     assert torch.allclose(gated_sum(a, m, ga, gm), ga * a + gm * m, atol=1e-5)
     assert torch.allclose(gated_sum(a, m, ga, gm, x), x + ga * a + gm * m, atol=1e-5)
+    ga2, gm2 = torch.randn(2100, generator=g).to(DEVICE), torch.randn(2100, generator=g).to(DEVICE)
+    assert torch.allclose(gated_sum(a, m, ga, gm, x, gate_a2=ga2, gate_m2=gm2), x + (ga + ga2) * a + (gm + gm2) * m, atol=1e-5)
 
 
 def test_fused_block_tracks_the_plain_block():
@@ -264,3 +273,41 @@ def test_fused_block_tracks_the_plain_block():
         got = fused.blocks[0](x, mod, attend).float()
     assert ((got - want).norm() / want.norm()).item() <= 2e-2
     assert fused.blocks[0].fused_forward is not None and plain.blocks[0].fused_forward is None
+    # the stacked norm gains are made once and follow in-place changes of the gains
+    from engine.kernels.fused_block import _stacked_gains
+
+    block = fused.blocks[0]
+    assert _stacked_gains(block) is _stacked_gains(block)
+    with torch.no_grad():
+        block.k_norm.weight.mul_(2)
+    assert torch.equal(_stacked_gains(block)[1], block.k_norm.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_branch_streams_give_the_same_block_output_eagerly_and_in_a_cuda_graph():
+    """The MLP branch on a side stream computes exactly what it computes in line (same kernels, same inputs)."""
+    import copy
+
+    from engine.cache import attention
+    from engine.kernels.fp8_linear import quantize_linears_
+
+    model = _model()
+    inline = quantize_linears_(copy.deepcopy(model), fuse=True, branch_streams=False)
+    side = quantize_linears_(copy.deepcopy(model), fuse=True, branch_streams=True)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(SPEC.frame_tokens, SPEC.dim, generator=g).to(DEVICE, next(model.parameters()).dtype)
+    mod, _ = model.time_modulation(torch.tensor(0.5, device=DEVICE))
+    attend = lambda q, k, v: attention(q, k, v)
+    run = lambda m: m.blocks[1](m.blocks[0](x, mod, attend), mod, attend)
+    with torch.no_grad():
+        want = run(inline)
+        assert torch.equal(run(side), want)
+        graph = torch.cuda.CUDAGraph()
+        run(side)  # warm-up outside capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            got = run(side)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(got, want)

@@ -1,20 +1,46 @@
-"""Diagnostics for the FP8 attention kernel on a GPU: tensor-core instructions in its PTX, and one timing."""
-import json, statistics, sys, torch, triton
+"""The FP8 attention kernel at the production shape under given options: time per call, and what the
+compiler made of it (tensor-core and shared-memory instructions in the PTX, registers, spills).
+
+    python tools/attn_probe.py '[{"block_n": 64, "tma": true}, {"block_m": 128, "block_n": 128, "num_warps": 8}]'   # on a GPU
+"""
+import json
+import sys
+
+import torch
+
 from engine import fp8
-from engine.kernels.fp8_attention import FP8Attention, qk_scale, _attn_kernel
-from engine.bench import time_ms
+from engine.bench import event_ms
+from engine.kernels.fp8_attention import FP8Attention, _attn_kernel, attention_reference, qk_scale
+
 dev = torch.device("cuda")
-H, M, S, D = 20, 757, 5788, 128
+H, M, S, D = 20, 757, 5824, 128
+live = 5788
+g = torch.Generator(device=dev).manual_seed(0)
+rms = lambda *shape: (lambda x: x / x.pow(2).mean(-1, keepdim=True).sqrt())(torch.randn(*shape, generator=g, device=dev))
 sc = fp8.per_head_scale(torch.ones(H, D, device=dev))
-q8 = fp8.quantize(torch.randn(H, M, D, device=dev), sc); k8 = fp8.quantize(torch.randn(H, S, D, device=dev), sc)
-vt8 = fp8.quantize(torch.randn(H, S, D, device=dev), sc).transpose(1, 2).contiguous()
-valid = torch.ones(S, dtype=torch.int8, device=dev); out = torch.empty(M, H * D, device=dev, dtype=torch.bfloat16)
-att = FP8Attention(H, M, S, D, dev)
-att(q8, k8, vt8, valid, qk_scale(sc, sc, D), sc, out)
-ms = statistics.median(time_ms(lambda: att(q8, k8, vt8, valid, qk_scale(sc, sc, D), sc, out), dev, 20))
-k = list(_attn_kernel.device_caches[0][0].values())[0] if hasattr(_attn_kernel, "device_caches") else None
-info = {"us": ms * 1000}
-if k is not None:
-    ptx = k.asm.get("ptx", "")
-    info.update(wgmma=ptx.count("wgmma"), mma=ptx.count("mma.sync"), n_regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None), shared=getattr(k, "metadata", None) and k.metadata.shared)
-print(json.dumps(info))
+q8, k8 = fp8.quantize(rms(H, M, D), sc), fp8.quantize(rms(H, S, D), sc)
+vt8 = fp8.quantize(rms(H, S, D), sc).transpose(1, 2).contiguous()
+valid = torch.zeros(S, dtype=torch.int8, device=dev)
+valid[:live] = 1
+out = torch.empty(M, H * D, device=dev, dtype=torch.bfloat16)
+qks = qk_scale(sc, sc, D)
+ref = attention_reference(q8, k8, vt8, valid, sc, sc, sc)
+rows = []
+for opts in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
+    row = dict(opts)
+    try:
+        att = FP8Attention(H, M, S, D, dev, **opts)
+        before = set(_kernel for _kernel in _attn_kernel.device_caches[0][0].values()) if hasattr(_attn_kernel, "device_caches") else set()
+        fn = lambda: att(q8, k8, vt8, valid, qks, sc, out)
+        row["us"] = 1000 * event_ms(fn, dev, 20)
+        row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+        new = [k for k in _attn_kernel.device_caches[0][0].values() if k not in before] if hasattr(_attn_kernel, "device_caches") else []
+        if new:
+            ptx = new[0].asm.get("ptx", "")
+            row.update(wgmma=ptx.count("wgmma.mma_async"), wgmma_wait=ptx.count("wgmma.wait_group"),
+                       st_shared=ptx.count("st.shared"), ld_shared=ptx.count("ld.shared"), ex2=ptx.count("ex2.approx"),
+                       n_regs=getattr(new[0], "n_regs", None), spills=getattr(new[0], "n_spills", None))
+    except Exception as e:  # a configuration the compiler rejects
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+    print(json.dumps(row), flush=True)

@@ -10,7 +10,11 @@ from engine.bench import event_ms
 
 dev = torch.device("cuda")
 M = 757
-shapes = {"qkv": (7680, 7680), "attn_out": (2560, 7680), "mlp_in": (7680, 16384), "mlp_out": (8192, 7680)}
+shapes = {"qkv": (7680, 7680), "attn_out": (2560, 7680), "mlp_in": (7680, 16384), "mlp_out": (8192, 7680),
+          # the parallel block's two input GEMMs share their input: one GEMM over both weights
+          "qkv+mlp_in": (7680, 24064),
+          # and its two output GEMMs, were they one product over both inputs
+          "attn_out+mlp_out": (10752, 7680)}
 out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "M": M}
 for name, (K, N) in shapes.items():
     a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

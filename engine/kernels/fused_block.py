@@ -1,7 +1,8 @@
 """A block's elementwise work fused around its FP8 GEMMs (serving path, inference only).
 
 The plain block (engine/model.py) runs ~35 small kernels per pass; this runs 4 of its
-own beside the GEMMs and attention:
+own beside the GEMMs and attention (the block's modulation table is added inside the first
+and the last, not in a kernel of its own):
 
     ln_modulate_quant   LayerNorm -> (1 + scale), + shift -> per-token FP8, shared by q/k/v and MLP-in
     qkv_head_norm       the per-head RMS norms of q, k and v in one launch -> (H, N, D) each
@@ -23,7 +24,8 @@ from engine.kernels.common import to_fp8
 
 
 @triton.jit
-def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+def _ln_mod_quant_kernel(x, shift, scale, shift2, scale2, h8, sh, K, eps, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                         EXACT: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_K)
     ok = c < K
@@ -31,18 +33,28 @@ def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr,
     mean = tl.sum(v, 0) / K
     diff = tl.where(ok, v - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, 0) / K + eps)
-    h = diff * rstd * (1.0 + tl.load(scale + c, mask=ok, other=0.0).to(tl.float32)) + tl.load(shift + c, mask=ok, other=0.0).to(tl.float32)
+    sc = tl.load(scale + c, mask=ok, other=0.0).to(tl.float32)
+    sf = tl.load(shift + c, mask=ok, other=0.0).to(tl.float32)
+    if TWO:  # the block's own modulation table added here rather than in a kernel of its own
+        sc += tl.load(scale2 + c, mask=ok, other=0.0).to(tl.float32)
+        sf += tl.load(shift2 + c, mask=ok, other=0.0).to(tl.float32)
+    h = diff * rstd * (1.0 + sc) + sf
     s = tl.maximum(tl.max(tl.abs(tl.where(ok, h, 0.0)), 0), 1e-12) / 448.0
     tl.store(h8 + row * K + c, to_fp8(h / s, EXACT), mask=ok)
     tl.store(sh + row, s)
 
 
-def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
-    """x (N, K) -> FP8 of modulate(layer_norm(x)) (N, K) and per-token scales (N, 1)."""
+def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+                      shift2: torch.Tensor | None = None, scale2: torch.Tensor | None = None):
+    """x (N, K) -> FP8 of modulate(layer_norm(x)) (N, K) and per-token scales (N, 1).
+
+    With shift2 and scale2 the modulation is (shift + shift2, scale + scale2)."""
     N, K = x.shape
+    two = shift2 is not None and scale2 is not None
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
     sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
-    _ln_mod_quant_kernel[(N,)](x, shift, scale, h8, sh, K, eps, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
+    _ln_mod_quant_kernel[(N,)](x, shift, scale, shift2 if two else shift, scale2 if two else scale, h8, sh, K, eps,
+                               BLOCK_K=triton.next_power_of_2(K), TWO=two, EXACT=interpreting(),
                                num_warps=8 if K >= 4096 else 4)
     return h8, sh
 
@@ -58,12 +70,13 @@ def _qkv_norm_kernel(qkv, w, out, N, H, eps, D: tl.constexpr, BLOCK_T: tl.conste
     tl.store(out + r * N * D + tok[:, None] * D + d[None, :], y.to(out.dtype.element_ty), mask=m)
 
 
-def qkv_head_norm(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor, eps: float = 1e-6):
-    """qkv (N, 3*H*D) -> RMS-normalised q, k, v, each (H, N, D); gains (H, D)."""
+def qkv_head_norm(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor, eps: float = 1e-6,
+                  gains: torch.Tensor | None = None):
+    """qkv (N, 3*H*D) -> RMS-normalised q, k, v, each (H, N, D); gains (H, D), or all three stacked (3, H, D)."""
     N = qkv.shape[0]
     H, D = q_w.shape
     out = torch.empty(3, H, N, D, device=qkv.device, dtype=qkv.dtype)
-    w = torch.stack([q_w, k_w, v_w])
+    w = torch.stack([q_w, k_w, v_w]) if gains is None else gains
     _qkv_norm_kernel[(triton.cdiv(N, 32), 3 * H)](qkv, w, out, N, H, eps, D=D, BLOCK_T=32)
     return out.unbind(0)
 
@@ -93,39 +106,88 @@ def swiglu_quant(gu: torch.Tensor):
 
 
 @triton.jit
-def _gated_sum_kernel(a, m, ga, gm, x, y, K, HAS_X: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gated_sum_kernel(a, m, ga, gm, ga2, gm2, x, y, K, HAS_X: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
     row, pid = tl.program_id(0), tl.program_id(1)
     c = pid * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = c < K
-    out = (tl.load(ga + c, mask=ok, other=0.0).to(tl.float32) * tl.load(a + row * K + c, mask=ok, other=0.0).to(tl.float32)
-           + tl.load(gm + c, mask=ok, other=0.0).to(tl.float32) * tl.load(m + row * K + c, mask=ok, other=0.0).to(tl.float32))
+    gate_a = tl.load(ga + c, mask=ok, other=0.0).to(tl.float32)
+    gate_m = tl.load(gm + c, mask=ok, other=0.0).to(tl.float32)
+    if TWO:
+        gate_a += tl.load(ga2 + c, mask=ok, other=0.0).to(tl.float32)
+        gate_m += tl.load(gm2 + c, mask=ok, other=0.0).to(tl.float32)
+    out = (gate_a * tl.load(a + row * K + c, mask=ok, other=0.0).to(tl.float32)
+           + gate_m * tl.load(m + row * K + c, mask=ok, other=0.0).to(tl.float32))
     if HAS_X:
         out += tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
     tl.store(y + row * K + c, out.to(y.dtype.element_ty), mask=ok)
 
 
-def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor | None = None):
-    """gate_a * a + gate_m * m (+ x), rows of (N, K)."""
+def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor | None = None,
+              gate_a2: torch.Tensor | None = None, gate_m2: torch.Tensor | None = None):
+    """gate_a * a + gate_m * m (+ x), rows of (N, K); with gate_a2 and gate_m2 the gates are the sums."""
     N, K = a.shape
+    two = gate_a2 is not None and gate_m2 is not None
     y = torch.empty_like(x if x is not None else a)
-    _gated_sum_kernel[(N, triton.cdiv(K, 1024))](a, m, gate_a, gate_m, x if x is not None else a, y, K,
-                                                  HAS_X=x is not None, BLOCK_K=1024)
+    _gated_sum_kernel[(N, triton.cdiv(K, 1024))](a, m, gate_a, gate_m, gate_a2 if two else gate_a, gate_m2 if two else gate_m,
+                                                  x if x is not None else a, y, K, HAS_X=x is not None, TWO=two, BLOCK_K=1024)
     return y
 
 
+_branch_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def branch_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU on which every block runs its MLP branch."""
+    if device not in _branch_streams:
+        _branch_streams[device] = torch.cuda.Stream(device)
+    return _branch_streams[device]
+
+
+def _stacked_gains(block) -> torch.Tensor:
+    """(3, H, D): the q, k, v norm gains, stacked once rather than at every call."""
+    ws = (block.q_norm.weight, block.k_norm.weight, block.v_norm.weight)
+    key = tuple((w.data_ptr(), w._version) for w in ws)
+    cached = getattr(block, "_qkv_gains", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.stack([w.detach() for w in ws]))
+        block._qkv_gains = cached
+    return cached[1]
+
+
 def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Tensor:
-    """Block.forward for one frame (x (N, dim), mod (4, dim)) with FP8 linears, fused."""
-    shift, scale, gate_attn, gate_mlp = (mod + block.modulation).unbind(0)
-    h8, sh = ln_modulate_quant(x, shift.contiguous(), scale.contiguous(), block.norm.eps)
+    """Block.forward for one frame (x (N, dim), mod (4, dim)) with FP8 linears, fused.
+
+    With `block.branch_streams` (GPU), the MLP branch (MLP-in, SwiGLU, MLP-out) runs on a side stream
+    beside the attention branch: the two share only their input, so the GEMMs may fill SMs that the
+    attention's tail and the small kernels leave idle. CUDA graphs capture both streams. Off by
+    default: on one H200 the 57b shard's step measured the same either way (`engine.bench step`
+    times both settings)."""
+    shift, scale, gate_attn, gate_mlp = (t.contiguous() for t in mod.unbind(0))  # rows of (4, dim): no copies
+    shift2, scale2, gate_attn2, gate_mlp2 = (t.contiguous() for t in block.modulation.unbind(0))
+    h8, sh = ln_modulate_quant(x, shift, scale, block.norm.eps, shift2=shift2, scale2=scale2)
+    side = branch_stream(x.device) if getattr(block, "branch_streams", False) and x.is_cuda else None
+    fused_combine = block.fused_combine is not None
+
+    def mlp_branch():
+        m8, sm = swiglu_quant(block.mlp_in.forward_quantized(h8, sh))
+        return (m8, sm) if fused_combine else block.mlp_out.forward_quantized(m8, sm)
+
+    if side is not None:
+        here = torch.cuda.current_stream(x.device)
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            mlp = mlp_branch()
     q, k, v = qkv_head_norm(block.qkv.forward_quantized(h8, sh), block.q_norm.weight, block.k_norm.weight,
-                            block.v_norm.weight, block.q_norm.eps)
+                            block.v_norm.weight, block.q_norm.eps, gains=_stacked_gains(block))
     a = attend(q, k, v)  # (H, N, D)
     a = block.attn_out(a.transpose(0, 1).flatten(-2))
-    m8, sm = swiglu_quant(block.mlp_in.forward_quantized(h8, sh))
-    gate_attn, gate_mlp = gate_attn.contiguous(), gate_mlp.contiguous()
-    if block.fused_combine is not None:
-        return x + block.fused_combine(m8, sm, a, gate_attn, gate_mlp)
-    m = block.mlp_out.forward_quantized(m8, sm)
+    if side is not None:
+        here.wait_stream(side)  # tensors made on the side stream are used here only after this join
+    else:
+        mlp = mlp_branch()
+    if fused_combine:
+        ga, gm = (mod[2] + block.modulation[2]).contiguous(), (mod[3] + block.modulation[3]).contiguous()
+        return x + block.fused_combine(*mlp, a, ga, gm)
     if block.reduce_is_identity():
-        return gated_sum(a, m, gate_attn, gate_mlp, x)
-    return x + block.reduce(gated_sum(a, m, gate_attn, gate_mlp))
+        return gated_sum(a, mlp, gate_attn, gate_mlp, x, gate_a2=gate_attn2, gate_m2=gate_mlp2)
+    return x + block.reduce(gated_sum(a, mlp, gate_attn, gate_mlp, gate_a2=gate_attn2, gate_m2=gate_mlp2))
