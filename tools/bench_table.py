@@ -241,6 +241,55 @@ def voice_loop() -> list[str]:
     return out
 
 
+def power_summary(name: str) -> str | None:
+    """The GPU's clock and power while it was busy (samples drawing over 300 W), from an nvidia-smi CSV."""
+    path = RESULTS / name
+    if not path.is_file():
+        return None
+    import csv
+    import statistics
+
+    rows = [r for r in csv.reader(path.read_text().splitlines()[1:]) if len(r) >= 7 and "MHz" in r[1] and "W" in r[3]]
+    busy = [r for r in rows if float(r[3].split()[0]) > 300]
+    if not busy:
+        return None
+    clock = [float(r[1].split()[0]) for r in busy]
+    power = [float(r[3].split()[0]) for r in busy]
+    capped = sum(1 for r in busy if int(r[6].strip(), 16) & 0x4)  # clocks_event_reasons: SW power cap
+    return (f"While the GPU was busy ({len(busy)} samples over 300 W, every 250 ms, `{name}`): SM clock median "
+            f"{statistics.median(clock):.0f} MHz (min {min(clock):.0f}, max {float(busy[0][2].split()[0]):.0f}), power median "
+            f"{statistics.median(power):.0f} W of a {busy[0][4].strip()} limit; the software power cap was holding the clock "
+            f"down in {capped / len(busy):.0%} of these samples (the file covers the profile, the serving run and the baseline run).")
+
+
+def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
+    """Kernel time of one eager serving step, grouped."""
+    if not prof:
+        return []
+    groups = [("FP8 GEMMs (cuBLAS, `torch._scaled_mm`)", lambda n: n.startswith("nvjet_sm90_qq")),
+              ("FP8 attention", lambda n: n == "_attn_kernel"),
+              ("fused block kernels (LayerNorm + quantise, q/k/v norms, SwiGLU + quantise, gated sum, row quantise)",
+               lambda n: n in ("_ln_mod_quant_kernel", "_qkv_norm_kernel", "_swiglu_quant_kernel", "_gated_sum_kernel", "_quant_rows_kernel")),
+              ("cache writes (RoPE + FP8 + ring store, the sink)", lambda n: n in ("_write_frame_kernel", "_rope_store_kernel")),
+              ("memsets", lambda n: n.startswith("Memset"))]
+    rows, used = [], set()
+    for label, test in groups:
+        ks = [k for k in prof["kernels"] if test(k["name"])]
+        used.update(k["name"] for k in ks)
+        rows.append((label, sum(k["ms"] for k in ks), sum(k["calls"] for k in ks)))
+    rest = [k for k in prof["kernels"] if k["name"] not in used]
+    rows.append(("everything else (patchify, time embedding, head, ...)", sum(k["ms"] for k in rest), sum(k["calls"] for k in rest)))
+    out = ["Where one serving step's GPU time goes, kernel by kernel (the step run eagerly under `torch.profiler`, so that "
+           "each kernel shows by name; kernel durations only). Command: `python tools/step_profile.py` "
+           "(result: `docs/results/step_profile_57b_tp3_h200.json`).", "",
+           "| kernels | ms per step | launches |", "|---|---|---|",
+           *[f"| {label} | {t:.1f} | {n} |" for label, t, n in rows],
+           f"| total kernel time | {prof['kernel_ms_total']:.1f} | |", ""]
+    if step_ms:
+        out += [f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here.", ""]
+    return out
+
+
 def fast_path_targets(step: dict | None, att: dict | None) -> list[str]:
     """The GPU fast path's targets (one H200, the 57b shape at tensor-parallel degree 3) against the runs below."""
     if not step or not att:
@@ -284,6 +333,14 @@ def main() -> None:
         out += [f"| reset step (position reset + step) | {ms(s.get('reset_step_ms', float('nan')))} | n/a (no resets) | |",
                 f"| delta rotation alone | {s['reset_rotation_ms']:.2f} | | |",
                 f"| peak GPU memory, GB | {s['peak_memory_gb']:.1f} | {b['peak_memory_gb']:.1f} | |", ""]
+        for key, setting in (("step_ms_with_branch_streams", "on"), ("step_ms_without_branch_streams", "off")):
+            if key in s:
+                out += [f"The same weights with each block's MLP branch on a side stream {setting} (`--branch-streams {setting}`; "
+                        f"timed in the same run): {ms(s[key])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+        out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"])
+        power = power_summary("step_57b_tp3_h200_smi.csv")
+        if power:
+            out += [power, ""]
     others = [(tp, load(f"step_57b_tp{tp}_h200.json")) for tp in (1, 2, 4)]
     others = [(tp, r) for tp, r in others if r]
     if others:
@@ -305,6 +362,14 @@ def main() -> None:
             g = gemm[name]
             out.append(f"| {name} | {kn} | {g['bf16_tflops']:.0f} | {g['fp8_rowwise_tflops']:.0f} | {g['fp8_tensorwise_tflops']:.0f} |")
         out.append("")
+        merged = [(name, parts) for name, parts in (("qkv+mlp_in", ("qkv", "mlp_in")), ("attn_out+mlp_out", ("attn_out", "mlp_out")))
+                  if name in gemm]
+        if merged:
+            out += ["The block's two input GEMMs share their input and its two output GEMMs share their output, so each "
+                    "pair could be one GEMM (N or K concatenated). FP8 row-wise, one GEMM against the pair: "
+                    + "; ".join(f"{name} {gemm[name]['fp8_rowwise_us']:.1f} us against "
+                                f"{sum(gemm[p]['fp8_rowwise_us'] for p in parts):.1f} us" for name, parts in merged)
+                    + " (the output pair would also need the two gates folded into per-pass weights).", ""]
     att = load("attention_57b_tp3_h200.json")
     if att:
         best = att["fp8_best"]
@@ -318,11 +383,19 @@ def main() -> None:
                 f"| Triton FP8 (best: {', '.join(f'{k}={v}' for k, v in best.items() if k not in ('us', 'rel_err'))}) "
                 f"| {best['us']:.1f} | {att['fp8_tflops']:.0f} |", "",
                 f"FP8 kernel relative L2 error against exact attention over the same FP8 cache: {best['rel_err']:.3f}.", ""]
+        fa3 = load("fa3_probe_h200.json")
+        if fa3:
+            state = ("available" if fa3["fa3"] == "active" else
+                     "not available on this machine (`flash_attn_interface` is not installed; no wheel for it is on PyPI)")
+            out += [f"FlashAttention-3's FP8 path (torch {fa3['torch']}'s `_scaled_dot_product_attention_quantized`, per-head "
+                    f"descales): {state}" + (f", {fa3['fa3_fp8_us']:.1f} us per call" if "fa3_fp8_us" in fa3 else "")
+                    + " (command: `python tools/fa3_probe.py`, result `docs/results/fa3_probe_h200.json`).", ""]
         options = [("splits", lambda c: c.get("splits", 1) > 1, "the KV axis split in 2"),
                    ("exp2", lambda c: c.get("exp2") == "fma", "2^x on the FMA units (`exp2=fma`)"),
                    ("mixed", lambda c: c.get("exp2") == "mixed", "2^x half on each unit (`exp2=mixed`)"),
                    ("lazy", lambda c: c.get("lazy_rescale", False), "lazy rescaling (`lazy_rescale=True`)"),
-                   ("tma", lambda c: c.get("tma", False), "K and V tiles through TMA (`tma=True`)")]
+                   ("tma", lambda c: c.get("tma", False), "K and V tiles through TMA (`tma=True`)"),
+                   ("pv16", lambda c: not c.get("pv_fp8", True), "P x V in fp16 (`pv_fp8=False`)")]
         found = [(label, min(c["us"] for c in att["configs"] if test(c)))
                  for _, test, label in options if any(test(c) for c in att["configs"])]
         if found:

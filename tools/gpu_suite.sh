@@ -24,8 +24,12 @@ for part in $parts; do
   if [[ $part == attention || $part == all ]]; then
     run python3 -m engine.bench attention --tp-shard 3 --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
   fi
-  if [[ $part == step || $part == all ]]; then
+  if [[ $part == step || $part == all ]]; then  # with the GPU's clock and power sampled throughout, and a per-kernel profile
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
+      --format=csv -lms 250 > "$OUT/step_smi.csv" & smi=$!
+    run python3 tools/step_profile.py > "$OUT/step_profile_tp3.json" && head -c 400 "$OUT/step_profile_tp3.json"
     run python3 -m engine.bench step --spec characters-57b --tp-shard 3 --json ${STEP_ARGS:-} > "$OUT/step_tp3.json" && cat "$OUT/step_tp3.json"
+    kill $smi
   fi
   if [[ $part == cache || $part == all ]]; then
     run python3 -m engine.bench cache --device cuda --spec characters-57b --tp-shard 3 --json > "$OUT/cache_tp3.json" && cat "$OUT/cache_tp3.json"

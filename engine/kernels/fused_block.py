@@ -1,8 +1,7 @@
 """A block's elementwise work fused around its FP8 GEMMs (serving path, inference only).
 
 The plain block (engine/model.py) runs ~35 small kernels per pass; this runs 4 of its
-own beside the GEMMs and attention (the block's modulation table is added inside the first
-and the last, not in a kernel of its own):
+own beside the GEMMs and attention:
 
     ln_modulate_quant   LayerNorm -> (1 + scale), + shift -> per-token FP8, shared by q/k/v and MLP-in
     qkv_head_norm       the per-head RMS norms of q, k and v in one launch -> (H, N, D) each
@@ -24,8 +23,7 @@ from engine.kernels.common import to_fp8
 
 
 @triton.jit
-def _ln_mod_quant_kernel(x, shift, scale, shift2, scale2, h8, sh, K, eps, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                         EXACT: tl.constexpr):
+def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_K)
     ok = c < K
@@ -33,28 +31,18 @@ def _ln_mod_quant_kernel(x, shift, scale, shift2, scale2, h8, sh, K, eps, BLOCK_
     mean = tl.sum(v, 0) / K
     diff = tl.where(ok, v - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, 0) / K + eps)
-    sc = tl.load(scale + c, mask=ok, other=0.0).to(tl.float32)
-    sf = tl.load(shift + c, mask=ok, other=0.0).to(tl.float32)
-    if TWO:  # the block's own modulation table added here rather than in a kernel of its own
-        sc += tl.load(scale2 + c, mask=ok, other=0.0).to(tl.float32)
-        sf += tl.load(shift2 + c, mask=ok, other=0.0).to(tl.float32)
-    h = diff * rstd * (1.0 + sc) + sf
+    h = diff * rstd * (1.0 + tl.load(scale + c, mask=ok, other=0.0).to(tl.float32)) + tl.load(shift + c, mask=ok, other=0.0).to(tl.float32)
     s = tl.maximum(tl.max(tl.abs(tl.where(ok, h, 0.0)), 0), 1e-12) / 448.0
     tl.store(h8 + row * K + c, to_fp8(h / s, EXACT), mask=ok)
     tl.store(sh + row, s)
 
 
-def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
-                      shift2: torch.Tensor | None = None, scale2: torch.Tensor | None = None):
-    """x (N, K) -> FP8 of modulate(layer_norm(x)) (N, K) and per-token scales (N, 1).
-
-    With shift2 and scale2 the modulation is (shift + shift2, scale + scale2)."""
+def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
+    """x (N, K) -> FP8 of modulate(layer_norm(x)) (N, K) and per-token scales (N, 1)."""
     N, K = x.shape
-    two = shift2 is not None and scale2 is not None
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
     sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
-    _ln_mod_quant_kernel[(N,)](x, shift, scale, shift2 if two else shift, scale2 if two else scale, h8, sh, K, eps,
-                               BLOCK_K=triton.next_power_of_2(K), TWO=two, EXACT=interpreting(),
+    _ln_mod_quant_kernel[(N,)](x, shift, scale, h8, sh, K, eps, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
                                num_warps=8 if K >= 4096 else 4)
     return h8, sh
 
@@ -106,30 +94,23 @@ def swiglu_quant(gu: torch.Tensor):
 
 
 @triton.jit
-def _gated_sum_kernel(a, m, ga, gm, ga2, gm2, x, y, K, HAS_X: tl.constexpr, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gated_sum_kernel(a, m, ga, gm, x, y, K, HAS_X: tl.constexpr, BLOCK_K: tl.constexpr):
     row, pid = tl.program_id(0), tl.program_id(1)
     c = pid * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = c < K
-    gate_a = tl.load(ga + c, mask=ok, other=0.0).to(tl.float32)
-    gate_m = tl.load(gm + c, mask=ok, other=0.0).to(tl.float32)
-    if TWO:
-        gate_a += tl.load(ga2 + c, mask=ok, other=0.0).to(tl.float32)
-        gate_m += tl.load(gm2 + c, mask=ok, other=0.0).to(tl.float32)
-    out = (gate_a * tl.load(a + row * K + c, mask=ok, other=0.0).to(tl.float32)
-           + gate_m * tl.load(m + row * K + c, mask=ok, other=0.0).to(tl.float32))
+    out = (tl.load(ga + c, mask=ok, other=0.0).to(tl.float32) * tl.load(a + row * K + c, mask=ok, other=0.0).to(tl.float32)
+           + tl.load(gm + c, mask=ok, other=0.0).to(tl.float32) * tl.load(m + row * K + c, mask=ok, other=0.0).to(tl.float32))
     if HAS_X:
         out += tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
     tl.store(y + row * K + c, out.to(y.dtype.element_ty), mask=ok)
 
 
-def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor | None = None,
-              gate_a2: torch.Tensor | None = None, gate_m2: torch.Tensor | None = None):
-    """gate_a * a + gate_m * m (+ x), rows of (N, K); with gate_a2 and gate_m2 the gates are the sums."""
+def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor | None = None):
+    """gate_a * a + gate_m * m (+ x), rows of (N, K)."""
     N, K = a.shape
-    two = gate_a2 is not None and gate_m2 is not None
     y = torch.empty_like(x if x is not None else a)
-    _gated_sum_kernel[(N, triton.cdiv(K, 1024))](a, m, gate_a, gate_m, gate_a2 if two else gate_a, gate_m2 if two else gate_m,
-                                                  x if x is not None else a, y, K, HAS_X=x is not None, TWO=two, BLOCK_K=1024)
+    _gated_sum_kernel[(N, triton.cdiv(K, 1024))](a, m, gate_a, gate_m, x if x is not None else a, y, K,
+                                                  HAS_X=x is not None, BLOCK_K=1024)
     return y
 
 
@@ -162,9 +143,9 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     attention's tail and the small kernels leave idle. CUDA graphs capture both streams. Off by
     default: on one H200 the 57b shard's step measured the same either way (`engine.bench step`
     times both settings)."""
-    shift, scale, gate_attn, gate_mlp = (t.contiguous() for t in mod.unbind(0))  # rows of (4, dim): no copies
-    shift2, scale2, gate_attn2, gate_mlp2 = (t.contiguous() for t in block.modulation.unbind(0))
-    h8, sh = ln_modulate_quant(x, shift, scale, block.norm.eps, shift2=shift2, scale2=scale2)
+    # One small add: taking the table inside the two kernels that read it measured slower (more registers, more loads).
+    shift, scale, gate_attn, gate_mlp = (mod + block.modulation).unbind(0)  # rows of a (4, dim) tensor: contiguous
+    h8, sh = ln_modulate_quant(x, shift, scale, block.norm.eps)
     side = branch_stream(x.device) if getattr(block, "branch_streams", False) and x.is_cuda else None
     fused_combine = block.fused_combine is not None
 
@@ -186,8 +167,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     else:
         mlp = mlp_branch()
     if fused_combine:
-        ga, gm = (mod[2] + block.modulation[2]).contiguous(), (mod[3] + block.modulation[3]).contiguous()
-        return x + block.fused_combine(*mlp, a, ga, gm)
+        return x + block.fused_combine(*mlp, a, gate_attn, gate_mlp)
     if block.reduce_is_identity():
-        return gated_sum(a, mlp, gate_attn, gate_mlp, x, gate_a2=gate_attn2, gate_m2=gate_mlp2)
-    return x + block.reduce(gated_sum(a, mlp, gate_attn, gate_mlp, gate_a2=gate_attn2, gate_m2=gate_mlp2))
+        return gated_sum(a, mlp, gate_attn, gate_mlp, x)
+    return x + block.reduce(gated_sum(a, mlp, gate_attn, gate_mlp))
