@@ -207,7 +207,9 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
         if job.gemm == "fp8":  # each rank quantises its own shard: per-channel scales of the columns it holds
             from engine.kernels.fp8_linear import quantize_linears_
 
-            quantize_linears_(model, fuse=device.type == "cuda")
+            # The MLP branch stays in line on tensor-parallel ranks: the side stream is measured on one GPU
+            # only, not yet beside the all-reduce and the symmetric-memory combine.
+            quantize_linears_(model, fuse=device.type == "cuda", branch_streams=False)
         if job.overlap and device.type == "cuda":  # push: the faster layout on two H200s (docs/benchmarks.md)
             use_symmetric_combine_(model, job.spec.frame_tokens, device, push=True)
         elif job.overlap:

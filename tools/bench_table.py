@@ -256,10 +256,11 @@ def power_summary(name: str) -> str | None:
     clock = [float(r[1].split()[0]) for r in busy]
     power = [float(r[3].split()[0]) for r in busy]
     capped = sum(1 for r in busy if int(r[6].strip(), 16) & 0x4)  # clocks_event_reasons: SW power cap
-    return (f"While the GPU was busy ({len(busy)} samples over 300 W, every 250 ms, `{name}`): SM clock median "
+    return (f"Clock and power through `bash tools/gpu_suite.sh step` (the profile, then the step benchmark, in an earlier "
+            f"run the same day; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
             f"{statistics.median(clock):.0f} MHz (min {min(clock):.0f}, max {float(busy[0][2].split()[0]):.0f}), power median "
             f"{statistics.median(power):.0f} W of a {busy[0][4].strip()} limit; the software power cap was holding the clock "
-            f"down in {capped / len(busy):.0%} of these samples (the file covers the profile, the serving run and the baseline run).")
+            f"down in {capped / len(busy):.0%} of these samples.")
 
 
 def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
@@ -286,7 +287,8 @@ def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
            *[f"| {label} | {t:.1f} | {n} |" for label, t, n in rows],
            f"| total kernel time | {prof['kernel_ms_total']:.1f} | |", ""]
     if step_ms:
-        out += [f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here.", ""]
+        out += [f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here "
+                "(an earlier run the same day, `bash tools/gpu_suite.sh step`).", ""]
     return out
 
 
@@ -321,7 +323,8 @@ def main() -> None:
                 f"Run {step.get('date', '?')}. Hardware: {gpu}. Communication left out (one rank's compute only); random weights; "
                 f"median of {step['steps_timed']} steady-state steps after warm-up. Serving path: ring FP8 KV cache with "
                 "write-time RoPE/FP8 kernels, Triton FP8 attention, FP8 GEMMs (per-token x per-channel scales) with fused "
-                "block kernels, the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
+                "block kernels" + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
+                + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
                 "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
                 "kernel launches, so its total varies between machines and runs more than its parts do.", "",
                 "Command: `python -m engine.bench step --spec characters-57b --tp-shard 3 --json` "
@@ -333,10 +336,11 @@ def main() -> None:
         out += [f"| reset step (position reset + step) | {ms(s.get('reset_step_ms', float('nan')))} | n/a (no resets) | |",
                 f"| delta rotation alone | {s['reset_rotation_ms']:.2f} | | |",
                 f"| peak GPU memory, GB | {s['peak_memory_gb']:.1f} | {b['peak_memory_gb']:.1f} | |", ""]
-        for key, setting in (("step_ms_with_branch_streams", "on"), ("step_ms_without_branch_streams", "off")):
+        for key, setting, what in (("step_ms_with_branch_streams", "on", "each block's MLP branch on a side stream"),
+                                   ("step_ms_without_branch_streams", "off", "each block's MLP branch in line")):
             if key in s:
-                out += [f"The same weights with each block's MLP branch on a side stream {setting} (`--branch-streams {setting}`; "
-                        f"timed in the same run): {ms(s[key])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+                out += [f"The same weights with {what} (`--branch-streams {setting}`; timed in the same run): "
+                        f"{ms(s[key])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"])
         power = power_summary("step_57b_tp3_h200_smi.csv")
         if power:
@@ -344,13 +348,18 @@ def main() -> None:
     others = [(tp, load(f"step_57b_tp{tp}_h200.json")) for tp in (1, 2, 4)]
     others = [(tp, r) for tp, r in others if r]
     if others:
-        out += ["Other tensor-parallel degrees (same benchmark, `--tp-shard N`):", "",
-                "| degree | serving step ms | GEMMs | attention | cache upkeep | other | reset step ms | peak GB | baseline step ms |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += ["Other tensor-parallel degrees (same benchmark, `--tp-shard N`; the breakdown's parts are timed alone, so "
+                "with the MLP branch beside the attention, \"other\" = step - parts also absorbs the overlap):", "",
+                "| degree | serving step ms | MLP branch on a side stream | the other setting, step ms | GEMMs | attention | "
+                "cache upkeep | other | reset step ms | peak GB | baseline step ms |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for tp, r in others:
             s, b = r["serving"], r["baseline"]
-            out.append(f"| {tp} | {ms(s['step_ms'])} | {ms(s['gemm_ms'])} | {ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | "
-                       f"{ms(s['other_ms'])} | {ms(s.get('reset_step_ms', float('nan')))} | {s['peak_memory_gb']:.1f} | {ms(b['step_ms'])} |")
+            streams = r.get("branch_streams", False)
+            alt = s.get("step_ms_without_branch_streams" if streams else "step_ms_with_branch_streams", float("nan"))
+            out.append(f"| {tp} | {ms(s['step_ms'])} | {'on' if streams else 'off'} | {ms(alt)} | {ms(s['gemm_ms'])} | "
+                       f"{ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | {ms(s['other_ms'])} | "
+                       f"{ms(s.get('reset_step_ms', float('nan')))} | {s['peak_memory_gb']:.1f} | {ms(b['step_ms'])} |")
         out.append("")
     gemm = load("gemm_probe_h200.json")
     if gemm:

@@ -77,7 +77,7 @@ class FP8Linear(nn.Module):
         return ((x8.float() * sx) @ (self.weight8.float() * self.weight_scale.t()).t()).to(torch.bfloat16)
 
 
-def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = False) -> nn.Module:
+def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True) -> nn.Module:
     """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
     (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention)."""
     from engine.kernels.fused_block import block_forward

@@ -140,9 +140,9 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
 
     With `block.branch_streams` (GPU), the MLP branch (MLP-in, SwiGLU, MLP-out) runs on a side stream
     beside the attention branch: the two share only their input, so the GEMMs may fill SMs that the
-    attention's tail and the small kernels leave idle. CUDA graphs capture both streams. Off by
-    default: on one H200 the 57b shard's step measured the same either way (`engine.bench step`
-    times both settings)."""
+    attention's tail and the small kernels leave idle. CUDA graphs capture both streams. On one
+    H200 the 57b shard's step gained 6% at tensor-parallel degree 4 and about 1% at degrees 1 and 3
+    (`engine.bench step` times both settings; docs/benchmarks.md)."""
     # One small add: taking the table inside the two kernels that read it measured slower (more registers, more loads).
     shift, scale, gate_attn, gate_mlp = (mod + block.modulation).unbind(0)  # rows of a (4, dim) tensor: contiguous
     h8, sh = ln_modulate_quant(x, shift, scale, block.norm.eps)
