@@ -187,6 +187,18 @@ def test_cuda_graph_replay_equals_eager_steps():
 
 
 @pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_steps_with_fp8_linears_and_branch_streams():
+    """The serving configuration: fused FP8 blocks with the MLP branch on a side stream, captured in the step's graph."""
+    from engine.kernels.fp8_linear import quantize_linears_
+
+    model = quantize_linears_(_model(), fuse=True, branch_streams=True)
+    assert model.blocks[0].branch_streams
+    eager = run_session(model, 12, cache="ring", kv_dtype="fp8", backend="triton")
+    graph = run_session(model, 12, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
+    assert torch.equal(eager, graph)
+
+
+@pytest.mark.gpu
 def test_scaled_mm_path_matches_the_dequantised_reference():
     lin = torch.nn.Linear(512, 384, bias=False).to(DEVICE, torch.bfloat16)
     x = torch.randn(757, 512, device=DEVICE, dtype=torch.bfloat16)
