@@ -158,7 +158,7 @@ def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
 
 @torch.no_grad()
 def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, *, fp8_gemms: bool,
-                 fused: bool = True, seed: int = 0, branch_streams: bool = True) -> CausalVideoDiT:
+                 fused: bool = True, seed: int = 0, branch_streams: bool = True, fast_accum: bool = False) -> CausalVideoDiT:
     """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device."""
     from engine.kernels.fp8_linear import quantize_linears_
 
@@ -176,7 +176,7 @@ def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dt
             p.normal_(0.0, 0.02, generator=g)
     model = model.to(dtype)
     if fp8_gemms:
-        quantize_linears_(model, fuse=fused, branch_streams=branch_streams)
+        quantize_linears_(model, fuse=fused, branch_streams=branch_streams, fast_accum=fast_accum)
     return model.eval()
 
 
@@ -266,12 +266,12 @@ def _step_stats(times: list[float], resets: list[float]) -> dict:
 
 @torch.no_grad()
 def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup: int, attention_options: dict | None,
-               branch_streams: bool = True) -> dict:
+               branch_streams: bool = True, fast_accum: bool = False) -> dict:
     """One rank's step at tensor-parallel degree tp, communication left out: the serving path
     (ring FP8 cache with write-time kernels, FP8 attention, FP8 GEMMs, CUDA graph; each block's MLP
-    branch on a side stream with `branch_streams`) vs the baseline (naive cache with read-time
-    RoPE, SDPA in bf16, bf16 GEMMs, eager). The serving path's step is also timed with the other
-    branch-stream setting, on the same weights."""
+    branch on a side stream with `branch_streams`; FP8 GEMMs with fast accumulation with `fast_accum`)
+    vs the baseline (naive cache with read-time RoPE, SDPA in bf16, bf16 GEMMs, eager). The serving
+    path's step is also timed with each of those two settings flipped, on the same weights."""
     from engine.session import EngineSession
 
     full = get_spec(spec_name)
@@ -281,7 +281,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     audio = torch.randn(full.frames_per_latent, full.n_mels, device=device)
     result: dict = {"bench": "step", "date": time.strftime("%Y-%m-%d"), "spec": full.name, "tp_shard": tp, "communication": "left out (one rank's compute only)",
                     "device": _device_name(device), "torch": torch.__version__, "steps_timed": steps,
-                    "branch_streams": branch_streams, "attention_options": attention_options or {}}
+                    "branch_streams": branch_streams, "fast_accum": fast_accum, "attention_options": attention_options or {}}
     try:
         import triton
 
@@ -291,7 +291,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
 
     def run_config(fast: bool) -> dict:
         torch.cuda.empty_cache()
-        model = random_shard(full, tp, device, dtype, fp8_gemms=fast, branch_streams=branch_streams)
+        model = random_shard(full, tp, device, dtype, fp8_gemms=fast, branch_streams=branch_streams, fast_accum=fast_accum)
         torch.cuda.reset_peak_memory_stats(device)
         serving = lambda: EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True,
                                         attention_options=attention_options)
@@ -299,16 +299,18 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         session.start(ref_latent)
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast)
         out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
-        if fast:  # the same weights with the other branch-stream setting (a fresh session: its own graph)
-            for block in model.blocks:
-                block.branch_streams = not branch_streams
-            other = serving()
-            other.start(ref_latent)
-            key = "step_ms_without_branch_streams" if branch_streams else "step_ms_with_branch_streams"
-            out[key] = statistics.median(_timed_steps(other, audio, steps, warmup, device, resets=False)[0])
-            for block in model.blocks:
-                block.branch_streams = branch_streams
-            del other
+        if fast:  # the same weights with one setting flipped (a fresh session each: its own graph)
+            linears = [getattr(b, n) for b in model.blocks for n in ("qkv", "attn_out", "mlp_in", "mlp_out")]
+            for name, on, objects in (("branch_streams", branch_streams, model.blocks), ("fast_accum", fast_accum, linears)):
+                for o in objects:
+                    setattr(o, name, not on)
+                other = serving()
+                other.start(ref_latent)
+                key = f"step_ms_{'without' if on else 'with'}_{name}"
+                out[key] = statistics.median(_timed_steps(other, audio, steps, warmup, device, resets=False)[0])
+                for o in objects:
+                    setattr(o, name, on)
+                del other
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
         out["gemm_ms"] = time_part(_gemms_of_a_step(model, full, device, dtype))
@@ -668,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--warmup", type=int, default=3)
     st.add_argument("--branch-streams", choices=("on", "off"), default="on",
                     help="each block's MLP branch on a side stream beside its attention (the other setting is timed too)")
+    st.add_argument("--fast-accum", choices=("on", "off"), default="off",
+                    help="FP8 GEMMs with the tensor cores' fast accumulation (the other setting is timed too)")
     st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
@@ -697,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_step_group(args.spec, args.world, args.steps, args.warmup)
         elif args.bench == "step":
             result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, json.loads(args.attention_options),
-                                branch_streams=args.branch_streams == "on")
+                                branch_streams=args.branch_streams == "on", fast_accum=args.fast_accum == "on")
         else:
             result = bench_attention(args.spec, args.tp_shard, device, args.repeats)
     except ValueError as e:

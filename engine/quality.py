@@ -306,7 +306,7 @@ class EngineConfig:
     cache: str = "ring"  # ring | reference
     kv_dtype: str = "fp8"  # ring cache storage (the reference cache keeps float K/V)
     backend: str = "torch"  # torch (SDPA over the ring) | triton (FP8 attention kernels)
-    gemm: str = "plain"  # plain | fp8 (block linears in FP8)
+    gemm: str = "plain"  # plain | fp8 (block linears in FP8) | fp8-fast (and the tensor cores' fast accumulation)
     cuda_graph: bool = False
     tp: int = 1  # tensor-parallel degree: processes (gloo on CPU, one GPU each on CUDA)
     fused_allreduce: bool = False  # MLP-out GEMM with its all-reduce overlapped (tp >= 2)
@@ -331,12 +331,13 @@ CONFIG_PRESETS: dict[str, dict] = {
     "fp8-cache": dict(cache="ring", kv_dtype="fp8"),  # + FP8 K/V with static per-head scales
     "fp8-attention": dict(cache="ring", kv_dtype="fp8", backend="triton"),  # + the Triton FP8 attention kernels
     "fp8-gemm": dict(cache="reference", kv_dtype="fp32", gemm="fp8"),  # the plain path with FP8 block linears
+    "fp8-gemm-fast": dict(cache="reference", kv_dtype="fp32", gemm="fp8-fast", device="cuda"),  # + fast accumulation
     "tp2": dict(cache="reference", kv_dtype="fp32", tp=2),
     "tp3": dict(cache="reference", kv_dtype="fp32", tp=3),
     "fused-allreduce": dict(cache="reference", kv_dtype="fp32", tp=2, fused_allreduce=True),
     "cuda-graph": dict(cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True, device="cuda"),
 }
-_GEMMS = ("plain", "fp8")
+_GEMMS = ("plain", "fp8", "fp8-fast")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _WARNED: set[str] = set()  # configs already warned about, once per process
 
@@ -422,6 +423,8 @@ def check_config(config: EngineConfig, spec=None) -> None:
     on_cuda = c.device.startswith("cuda") or (c.device == "auto" and gpu)
     if c.cuda_graph and not gpu:
         raise ValueError(f"config {c.name}: cuda_graph needs a CUDA GPU; none is visible (a GPU-only fast path)")
+    if c.gemm == "fp8-fast" and not on_cuda:
+        raise ValueError(f"config {c.name}: gemm=fp8-fast needs a CUDA GPU (fast accumulation is a tensor-core mode)")
     if c.device.startswith("cuda") and not gpu:
         raise ValueError(f"config {c.name}: device {c.device} asked for, but no CUDA GPU is visible")
     if c.decoder_gpu is not None:
@@ -493,10 +496,10 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
             raise
         return RealtimeCharacter(steps=steps, lookahead=1, playout=playout), trained, engine.close
     model, codec, trained = load_engine(spec, weights=weights, device=device, dtype=dtype, seed=weights_seed)
-    if config.gemm == "fp8":
+    if config.gemm in ("fp8", "fp8-fast"):
         from engine.kernels.fp8_linear import quantize_linears_
 
-        quantize_linears_(model, fuse=device.type == "cuda")
+        quantize_linears_(model, fuse=device.type == "cuda", fast_accum=config.gemm == "fp8-fast")
     session = EngineSession(model, seed=noise_seed, **session_kwargs)
     session.start(codec.encode_reference(ch.reference_image(look, spec.image_size)).to(device, dtype))
     return RealtimeCharacter(session, codec, playout=playout), trained, (lambda: None)

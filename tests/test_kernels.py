@@ -199,13 +199,16 @@ def test_cuda_graph_replay_equals_eager_steps_with_fp8_linears_and_branch_stream
 
 
 @pytest.mark.gpu
-def test_scaled_mm_path_matches_the_dequantised_reference():
-    lin = torch.nn.Linear(512, 384, bias=False).to(DEVICE, torch.bfloat16)
-    x = torch.randn(757, 512, device=DEVICE, dtype=torch.bfloat16)
-    fast, ref = FP8Linear(lin), FP8Linear(lin, use_scaled_mm=False)
-    assert fast.use_scaled_mm
-    a, b = fast(x).float(), ref(x).float()
-    assert ((a - b).norm() / b.norm()).item() <= 1e-2
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_scaled_mm_path_matches_the_dequantised_reference(fast_accum):
+    """Fast accumulation too, at the 57b rank's longest reduction (K = 8192): within 1% of the float32 sums."""
+    for k in (512, 8192):
+        lin = torch.nn.Linear(k, 384, bias=False).to(DEVICE, torch.bfloat16)
+        x = torch.randn(757, k, device=DEVICE, dtype=torch.bfloat16)
+        fast, ref = FP8Linear(lin, fast_accum=fast_accum), FP8Linear(lin, use_scaled_mm=False)
+        assert fast.use_scaled_mm
+        a, b = fast(x).float(), ref(x).float()
+        assert ((a - b).norm() / b.norm()).item() <= 1e-2
 
 
 # Fused block kernels ---------------------------------------------------------------

@@ -159,6 +159,11 @@ def test_cuda_graph_on_cpu_is_a_clear_error():
         parse_config("cuda-graph")
 
 
+def test_fast_accumulation_on_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="gemm=fp8-fast needs a CUDA GPU"):
+        parse_config("fp8-gemm-fast,device=cpu")
+
+
 def test_broken_config_files_are_named(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"preset": "fp8-cache", ')

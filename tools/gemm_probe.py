@@ -1,4 +1,5 @@
-"""GEMM shapes of one 57b rank at TP 3 (M = 757): bf16 vs FP8 row-wise vs FP8 tensor-wise scaling.
+"""GEMM shapes of one 57b rank at TP 3 (M = 757): bf16 vs FP8 row-wise (with and without fast accumulation)
+vs FP8 tensor-wise scaling.
 
     python tools/gemm_probe.py   # on a GPU; prints one JSON object
 """
@@ -26,6 +27,8 @@ for name, (K, N) in shapes.items():
     row = {
         "bf16_us": 1000 * event_ms(lambda: a @ w.t(), dev, 20),
         "fp8_rowwise_us": 1000 * event_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16), dev, 20),
+        "fp8_rowwise_fast_accum_us": 1000 * event_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sw, out_dtype=torch.bfloat16,
+                                                                             use_fast_accum=True), dev, 20),
         "fp8_tensorwise_us": 1000 * event_ms(lambda: torch._scaled_mm(a8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), dev, 20),
     }
     row.update({k.replace("_us", "_tflops"): flop / v / 1e6 for k, v in list(row.items())})

@@ -49,7 +49,7 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 class FP8Linear(nn.Module):
     """A bias-free nn.Linear with e4m3 weights and per-output-channel scales."""
 
-    def __init__(self, linear: nn.Linear, use_scaled_mm: bool | None = None):
+    def __init__(self, linear: nn.Linear, use_scaled_mm: bool | None = None, fast_accum: bool = False):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("FP8Linear takes bias-free linears")
@@ -60,6 +60,9 @@ class FP8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         on_hopper = w.is_cuda and torch.cuda.get_device_capability(w.device) >= (8, 9)
         self.use_scaled_mm = on_hopper if use_scaled_mm is None else use_scaled_mm
+        # Tensor-core FP8 accumulation without the periodic promotion to float32 (faster, less exact;
+        # what FP8 inference stacks use for forward GEMMs). Only `torch._scaled_mm` has it.
+        self.fast_accum = fast_accum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -73,19 +76,21 @@ class FP8Linear(nn.Module):
     def forward_quantized(self, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
         """Already-quantised activations (M, K) e4m3 with per-row scales (M, 1) -> (M, N) bf16."""
         if self.use_scaled_mm:
-            return torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.weight_scale, out_dtype=torch.bfloat16)
+            return torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.weight_scale, out_dtype=torch.bfloat16,
+                                    use_fast_accum=self.fast_accum)
         return ((x8.float() * sx) @ (self.weight8.float() * self.weight_scale.t()).t()).to(torch.bfloat16)
 
 
-def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True) -> nn.Module:
+def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False) -> nn.Module:
     """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
-    (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention)."""
+    (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention);
+    `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only)."""
     from engine.kernels.fused_block import block_forward
 
     for block in model.blocks:
         for name in ("qkv", "attn_out", "mlp_in", "mlp_out"):
             if not isinstance(getattr(block, name), FP8Linear):
-                setattr(block, name, FP8Linear(getattr(block, name)))
+                setattr(block, name, FP8Linear(getattr(block, name), fast_accum=fast_accum))
         block.fused_forward = block_forward if fuse else None
         block.branch_streams = fuse and branch_streams
     return model
