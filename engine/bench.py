@@ -158,7 +158,7 @@ def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
 
 @torch.no_grad()
 def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, *, fp8_gemms: bool,
-                 fused: bool = True, seed: int = 0, branch_streams: bool = True, fast_accum: bool = False) -> CausalVideoDiT:
+                 fused: bool = True, seed: int = 0, branch_streams: bool = True, fast_accum: bool = True) -> CausalVideoDiT:
     """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device."""
     from engine.kernels.fp8_linear import quantize_linears_
 
@@ -266,7 +266,7 @@ def _step_stats(times: list[float], resets: list[float]) -> dict:
 
 @torch.no_grad()
 def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup: int, attention_options: dict | None,
-               branch_streams: bool = True, fast_accum: bool = False) -> dict:
+               branch_streams: bool = True, fast_accum: bool = True) -> dict:
     """One rank's step at tensor-parallel degree tp, communication left out: the serving path
     (ring FP8 cache with write-time kernels, FP8 attention, FP8 GEMMs, CUDA graph; each block's MLP
     branch on a side stream with `branch_streams`; FP8 GEMMs with fast accumulation with `fast_accum`)
@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--warmup", type=int, default=3)
     st.add_argument("--branch-streams", choices=("on", "off"), default="on",
                     help="each block's MLP branch on a side stream beside its attention (the other setting is timed too)")
-    st.add_argument("--fast-accum", choices=("on", "off"), default="off",
+    st.add_argument("--fast-accum", choices=("on", "off"), default="on",
                     help="FP8 GEMMs with the tensor cores' fast accumulation (the other setting is timed too)")
     st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):

@@ -31,10 +31,13 @@ BACKENDS = {"auto": "auto", "triton": "triton", "sdpa": "torch", "reference": "t
 
 def make_session(model, args) -> EngineSession:
     """The session the flags ask for, with one log line naming the paths it runs."""
-    if args.gemm == "fp8":
+    if args.gemm in ("fp8", "fp8-fast"):
         from engine.kernels.fp8_linear import quantize_linears_
 
-        quantize_linears_(model, fuse=next(model.parameters()).is_cuda)
+        on_gpu = next(model.parameters()).is_cuda
+        if args.gemm == "fp8-fast" and not on_gpu:
+            raise ValueError("--gemm fp8-fast needs a CUDA GPU (fast accumulation is a tensor-core mode)")
+        quantize_linears_(model, fuse=on_gpu, fast_accum=args.gemm == "fp8-fast")
     cache = "reference" if args.attention == "reference" else "ring"
     backend = BACKENDS[args.attention]
     session = EngineSession(model, cache=cache, kv_dtype=args.kv_dtype, reset_every=args.reset_every, seed=args.seed,
@@ -70,7 +73,7 @@ def build_character(args, spec, device: torch.device):
         session_kwargs = dict(cache="reference" if args.attention == "reference" else "ring", kv_dtype=args.kv_dtype,
                               reset_every=args.reset_every, backend=BACKENDS[args.attention], cuda_graph=args.cuda_graph)
         engine = DistributedEngine(spec, placement, weights=args.weights, seed=args.seed, session=session_kwargs,
-                                   gemm="fp8" if args.gemm == "fp8" else "plain")
+                                   gemm="plain" if args.gemm == "bf16" else args.gemm)
         _, codec, trained = load_engine(spec, weights=args.weights, seed=args.seed)
         steps = RemoteSteps(engine)
         steps.start(preset_reference(spec, codec, args.preset))
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="triton: FP8 ring + Triton kernels; sdpa: FP8 ring read by PyTorch SDPA; "
                         "reference: the plain path (float cache, read-time RoPE); auto: triton where it runs")
-    p.add_argument("--gemm", default="bf16", choices=("bf16", "fp8"), help="block linears in bf16 or FP8")
+    p.add_argument("--gemm", default="bf16", choices=("bf16", "fp8", "fp8-fast"),
+                   help="block linears in bf16 or FP8; fp8-fast: FP8 with the tensor cores' fast accumulation (GPU)")
     p.add_argument("--cuda-graph", action="store_true", help="replay each step's passes as one CUDA graph (triton only)")
     p.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
     p.add_argument("--reset-every", type=int, default=None, help="steps between position resets (0: never)")

@@ -68,6 +68,7 @@ def test_generate_writes_a_playable_mp4_with_audio(tmp_path):
         (["--audio", "/nonexistent.wav"], "not found"),
         (["--audio", "{junk}"], "cannot decode"),
         (["--audio", "{empty}"], "no audio"),
+        (["--audio", "{tone}", "--device", "cpu", "--gemm", "fp8-fast"], "--gemm fp8-fast needs a CUDA GPU"),
     ],
 )
 def test_generate_bad_input(tmp_path, args, message):
@@ -75,7 +76,9 @@ def test_generate_bad_input(tmp_path, args, message):
     junk.write_bytes(b"RIFF....WAVEnot really")
     empty = tmp_path / "empty.wav"
     write_wav(empty, 0.0)
-    args = [a.format(junk=junk, empty=empty) for a in args]
+    tone = tmp_path / "tone.wav"
+    write_wav(tone, 0.5)
+    args = [a.format(junk=junk, empty=empty, tone=tone) for a in args]
     base = {"--spec": "tiny", "--audio": str(empty), "--out": str(tmp_path / "o.mp4")}
     for i in range(0, len(args), 2):
         base[args[i]] = args[i + 1]

@@ -286,9 +286,11 @@ def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
            "| kernels | ms per step | launches |", "|---|---|---|",
            *[f"| {label} | {t:.1f} | {n} |" for label, t, n in rows],
            f"| total kernel time | {prof['kernel_ms_total']:.1f} | |", ""]
-    if step_ms:
-        out += [f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here "
-                "(an earlier run the same day, `bash tools/gpu_suite.sh step`).", ""]
+    if "fast_accum" not in prof:
+        out += ["(Profiled in an earlier run the same day, before fast accumulation was the benchmark's default: "
+                "these GEMMs promote their sums to float32.)", ""]
+    elif step_ms:
+        out += [f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here.", ""]
     return out
 
 
@@ -323,7 +325,8 @@ def main() -> None:
                 f"Run {step.get('date', '?')}. Hardware: {gpu}. Communication left out (one rank's compute only); random weights; "
                 f"median of {step['steps_timed']} steady-state steps after warm-up. Serving path: ring FP8 KV cache with "
                 "write-time RoPE/FP8 kernels, Triton FP8 attention, FP8 GEMMs (per-token x per-channel scales) with fused "
-                "block kernels" + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
+                "block kernels" + (" and fast accumulation" if step.get("fast_accum") else "")
+                + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
                 + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
                 "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
                 "kernel launches, so its total varies between machines and runs more than its parts do.", "",
@@ -336,10 +339,13 @@ def main() -> None:
         out += [f"| reset step (position reset + step) | {ms(s.get('reset_step_ms', float('nan')))} | n/a (no resets) | |",
                 f"| delta rotation alone | {s['reset_rotation_ms']:.2f} | | |",
                 f"| peak GPU memory, GB | {s['peak_memory_gb']:.1f} | {b['peak_memory_gb']:.1f} | |", ""]
-        for key, setting, what in (("step_ms_with_branch_streams", "on", "each block's MLP branch on a side stream"),
-                                   ("step_ms_without_branch_streams", "off", "each block's MLP branch in line")):
+        for key, setting, what in (("step_ms_with_branch_streams", "branch-streams on", "each block's MLP branch on a side stream"),
+                                   ("step_ms_without_branch_streams", "branch-streams off", "each block's MLP branch in line"),
+                                   ("step_ms_with_fast_accum", "fast-accum on", "the FP8 GEMMs' fast accumulation"),
+                                   ("step_ms_without_fast_accum", "fast-accum off",
+                                    "the FP8 GEMMs promoting their sums to float32 as they go")):
             if key in s:
-                out += [f"The same weights with {what} (`--branch-streams {setting}`; timed in the same run): "
+                out += [f"With {what} (`--{setting}`; same weights, same run): "
                         f"{ms(s[key])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"])
         power = power_summary("step_57b_tp3_h200_smi.csv")
@@ -350,14 +356,15 @@ def main() -> None:
     if others:
         out += ["Other tensor-parallel degrees (same benchmark, `--tp-shard N`; the breakdown's parts are timed alone, so "
                 "with the MLP branch beside the attention, \"other\" = step - parts also absorbs the overlap):", "",
-                "| degree | serving step ms | MLP branch on a side stream | the other setting, step ms | GEMMs | attention | "
-                "cache upkeep | other | reset step ms | peak GB | baseline step ms |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| degree | serving step ms | FP8 fast accumulation | MLP branch on a side stream | the other branch setting, step ms | "
+                "GEMMs | attention | cache upkeep | other | reset step ms | peak GB | baseline step ms |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for tp, r in others:
             s, b = r["serving"], r["baseline"]
             streams = r.get("branch_streams", False)
             alt = s.get("step_ms_without_branch_streams" if streams else "step_ms_with_branch_streams", float("nan"))
-            out.append(f"| {tp} | {ms(s['step_ms'])} | {'on' if streams else 'off'} | {ms(alt)} | {ms(s['gemm_ms'])} | "
+            out.append(f"| {tp} | {ms(s['step_ms'])} | {'on' if r.get('fast_accum') else 'off'} | {'on' if streams else 'off'} | "
+                       f"{ms(alt)} | {ms(s['gemm_ms'])} | "
                        f"{ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | {ms(s['other_ms'])} | "
                        f"{ms(s.get('reset_step_ms', float('nan')))} | {s['peak_memory_gb']:.1f} | {ms(b['step_ms'])} |")
         out.append("")
@@ -365,11 +372,13 @@ def main() -> None:
     if gemm:
         out += ["GEMMs of one rank (M = 757) through `torch._scaled_mm`: TFLOP/s per shape "
                 "(command: `python tools/gemm_probe.py`, result `docs/results/gemm_probe_h200.json`):", "",
-                "| GEMM | K x N | bf16 | FP8 row-wise scales | FP8 tensor-wise scale |", "|---|---|---|---|---|"]
+                "| GEMM | K x N | bf16 | FP8 row-wise scales | the same, fast accumulation | FP8 tensor-wise scale |",
+                "|---|---|---|---|---|---|"]
         shapes = {"qkv": "7680 x 7680", "attn_out": "2560 x 7680", "mlp_in": "7680 x 16384", "mlp_out": "8192 x 7680"}
         for name, kn in shapes.items():
             g = gemm[name]
-            out.append(f"| {name} | {kn} | {g['bf16_tflops']:.0f} | {g['fp8_rowwise_tflops']:.0f} | {g['fp8_tensorwise_tflops']:.0f} |")
+            out.append(f"| {name} | {kn} | {g['bf16_tflops']:.0f} | {g['fp8_rowwise_tflops']:.0f} | "
+                       f"{g.get('fp8_rowwise_fast_accum_tflops', float('nan')):.0f} | {g['fp8_tensorwise_tflops']:.0f} |")
         out.append("")
         merged = [(name, parts) for name, parts in (("qkv+mlp_in", ("qkv", "mlp_in")), ("attn_out+mlp_out", ("attn_out", "mlp_out")))
                   if name in gemm]

@@ -24,10 +24,12 @@ def main() -> None:
     ap.add_argument("--spec", default="characters-57b")
     ap.add_argument("--tp-shard", type=int, default=3)
     ap.add_argument("--attention-options", type=json.loads, default=None)
+    ap.add_argument("--fast-accum", choices=("on", "off"), default="on", help="as in engine.bench step")
     args = ap.parse_args()
     dev = torch.device("cuda")
     spec = get_spec(args.spec)
-    model = random_shard(spec, args.tp_shard, dev, torch.bfloat16, fp8_gemms=True)
+    fast_accum = args.fast_accum == "on"
+    model = random_shard(spec, args.tp_shard, dev, torch.bfloat16, fp8_gemms=True, fast_accum=fast_accum)
     session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", attention_options=args.attention_options)
     with torch.no_grad():
         session.start(torch.randn(spec.latent_channels, *spec.latent_grid, device=dev, dtype=torch.bfloat16))
@@ -47,7 +49,7 @@ def main() -> None:
             total[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             count[e.name] += 1
     rows = sorted(total, key=total.get, reverse=True)
-    print(json.dumps({"spec": spec.name, "tp_shard": args.tp_shard, "device": torch.cuda.get_device_name(),
+    print(json.dumps({"spec": spec.name, "tp_shard": args.tp_shard, "device": torch.cuda.get_device_name(), "fast_accum": fast_accum,
                       "kernel_ms_total": sum(total.values()) / 1000,
                       "kernels": [{"name": n[:90], "ms": total[n] / 1000, "calls": count[n],
                                    "us_per_call": total[n] / count[n]} for n in rows[:40]]}, indent=1))
