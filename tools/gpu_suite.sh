@@ -68,7 +68,7 @@ for part in $parts; do
     python3 -c "import json;r=json.load(open('$OUT/soak_demo.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
   fi
   if [[ $part == compare ]]; then  # every GPU fast path against the rerun band; COMPARE_CLIPS (default 24)
-    run python3 -m engine.quality compare --spec demo --a reference --b fp8-cache --b fp8-attention --b cuda-graph --b fp8-gemm \
+    run python3 -m engine.quality compare --spec demo --a reference --b fp8-cache --b fp8-attention --b cuda-graph --b fp8-gemm --b fp8-gemm-fast \
       --clips "${COMPARE_CLIPS:-24}" --clip-seconds 4 --json > "$OUT/compare_demo.json" \
       && python3 -c "import json;r=json.load(open('$OUT/compare_demo.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
   fi
