@@ -300,7 +300,9 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast)
         out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
         if fast:  # the same weights with one setting flipped (a fresh session each: its own graph)
-            linears = [getattr(b, n) for b in model.blocks for n in ("qkv", "attn_out", "mlp_in", "mlp_out")]
+            from engine.kernels.fp8_linear import BLOCK_LINEARS
+
+            linears = [getattr(b, n) for b in model.blocks for n in BLOCK_LINEARS]
             for name, on, objects in (("branch_streams", branch_streams, model.blocks), ("fast_accum", fast_accum, linears)):
                 for o in objects:
                     setattr(o, name, not on)

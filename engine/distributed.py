@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import ModelSpec
+from engine.kernels import GEMM_MODES, apply_gemm_mode_
 
 # Multicast can take a shared host's GPUs out of service; keep it off for every child process.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -204,12 +205,10 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
         model, _, _ = load_engine(job.spec, weights=job.weights, device="cpu", seed=job.seed)
         shard_model_(model, rank, placement.tp, reduce=_all_reduce)
         model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        if job.gemm in ("fp8", "fp8-fast"):  # each rank quantises its own shard: per-channel scales of the columns it holds
-            from engine.kernels.fp8_linear import quantize_linears_
-
-            # The MLP branch stays in line on tensor-parallel ranks: the side stream is measured on one GPU
-            # only, not yet beside the all-reduce and the symmetric-memory combine.
-            quantize_linears_(model, fuse=device.type == "cuda", branch_streams=False, fast_accum=job.gemm == "fp8-fast")
+        # Each rank quantises its own shard (per-channel scales of the columns it holds). The MLP branch stays
+        # in line on tensor-parallel ranks: the side stream is measured on one GPU only, not yet beside the
+        # all-reduce and the symmetric-memory combine.
+        apply_gemm_mode_(model, job.gemm, fuse=device.type == "cuda", branch_streams=False)
         if job.overlap and device.type == "cuda":  # push: the faster layout on two H200s (docs/benchmarks.md)
             use_symmetric_combine_(model, job.spec.frame_tokens, device, push=True)
         elif job.overlap:
@@ -275,8 +274,8 @@ class DistributedEngine:
     def __init__(self, spec: ModelSpec, placement: Placement, *, weights: str | None = None, seed: int = 0,
                  session: dict | None = None, decoders: int | None = None, overlap: bool = False, gemm: str = "plain",
                  timeout: float = 300.0):
-        if gemm not in ("plain", "fp8", "fp8-fast"):
-            raise ValueError(f"gemm must be plain, fp8 or fp8-fast, got {gemm!r}")
+        if gemm not in GEMM_MODES:
+            raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
         self.spec, self.placement, self.timeout = spec, placement, timeout
         job = _Job(spec, weights, seed, dict(session or {}), overlap, gemm)
         ctx = mp.get_context("spawn")

@@ -19,6 +19,7 @@ from engine.audio import SAMPLE_RATE
 from engine.cache import KV_DTYPES
 from engine.character import PRESETS, reference_image
 from engine.config import SPECS, get_spec
+from engine.kernels import apply_gemm_mode_
 from engine.media import Mp4Writer, read_audio
 from engine.realtime import RealtimeCharacter, RemoteSteps
 from engine.session import EngineSession
@@ -29,15 +30,14 @@ ATTENTION = ("auto", "triton", "sdpa", "reference")
 BACKENDS = {"auto": "auto", "triton": "triton", "sdpa": "torch", "reference": "torch"}  # --attention -> session backend
 
 
+def gemm_mode(args) -> str:
+    """--gemm as the engine names it (engine.kernels.GEMM_MODES)."""
+    return "plain" if args.gemm == "bf16" else args.gemm
+
+
 def make_session(model, args) -> EngineSession:
     """The session the flags ask for, with one log line naming the paths it runs."""
-    if args.gemm in ("fp8", "fp8-fast"):
-        from engine.kernels.fp8_linear import quantize_linears_
-
-        on_gpu = next(model.parameters()).is_cuda
-        if args.gemm == "fp8-fast" and not on_gpu:
-            raise ValueError("--gemm fp8-fast needs a CUDA GPU (fast accumulation is a tensor-core mode)")
-        quantize_linears_(model, fuse=on_gpu, fast_accum=args.gemm == "fp8-fast")
+    apply_gemm_mode_(model, gemm_mode(args), fuse=next(model.parameters()).is_cuda)
     cache = "reference" if args.attention == "reference" else "ring"
     backend = BACKENDS[args.attention]
     session = EngineSession(model, cache=cache, kv_dtype=args.kv_dtype, reset_every=args.reset_every, seed=args.seed,
@@ -73,7 +73,7 @@ def build_character(args, spec, device: torch.device):
         session_kwargs = dict(cache="reference" if args.attention == "reference" else "ring", kv_dtype=args.kv_dtype,
                               reset_every=args.reset_every, backend=BACKENDS[args.attention], cuda_graph=args.cuda_graph)
         engine = DistributedEngine(spec, placement, weights=args.weights, seed=args.seed, session=session_kwargs,
-                                   gemm="plain" if args.gemm == "bf16" else args.gemm)
+                                   gemm=gemm_mode(args))
         _, codec, trained = load_engine(spec, weights=args.weights, seed=args.seed)
         steps = RemoteSteps(engine)
         steps.start(preset_reference(spec, codec, args.preset))
@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = get_spec(args.spec)
         device = pick_device(args.device)
+        if args.gemm == "fp8-fast" and device.type != "cuda" and args.gpus is None:
+            raise ValueError("--gemm fp8-fast needs a CUDA GPU (fast accumulation is a tensor-core mode)")
         if not Path(args.out).resolve().parent.is_dir():
             raise ValueError(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
         pcm = read_audio(args.audio, max_seconds=args.max_seconds)

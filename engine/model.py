@@ -70,6 +70,8 @@ class Block(nn.Module):
         self.fused_forward: Callable | None = None
         # With fused_forward: MLP-out GEMM + gated sum + all-reduce in one call (engine/distributed.py sets it).
         self.fused_combine: Callable | None = None
+        # With fused_forward on a GPU: the MLP branch on a side stream beside the attention (quantize_linears_ sets it).
+        self.branch_streams = False
 
     def reduce_is_identity(self) -> bool:
         return self.reduce is _identity

@@ -38,6 +38,7 @@ import torch
 
 from engine import character as ch
 from engine.audio import SAMPLE_RATE, frame_sample
+from engine.kernels import GEMM_MODES, apply_gemm_mode_
 from engine.weights import pick_device
 
 MAX_OFFSET = 15  # frames either side (SyncNet searches +-15 at 25 fps)
@@ -337,7 +338,6 @@ CONFIG_PRESETS: dict[str, dict] = {
     "fused-allreduce": dict(cache="reference", kv_dtype="fp32", tp=2, fused_allreduce=True),
     "cuda-graph": dict(cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True, device="cuda"),
 }
-_GEMMS = ("plain", "fp8", "fp8-fast")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _WARNED: set[str] = set()  # configs already warned about, once per process
 
@@ -414,7 +414,7 @@ def check_config(config: EngineConfig, spec=None) -> None:
 
     c = config
     for key, value, choices in (("cache", c.cache, CACHES), ("kv_dtype", c.kv_dtype, tuple(KV_DTYPES)),
-                                ("backend", c.backend, BACKENDS), ("gemm", c.gemm, _GEMMS)):
+                                ("backend", c.backend, BACKENDS), ("gemm", c.gemm, GEMM_MODES)):
         if value not in choices:
             raise ValueError(f"config {c.name}: {key} must be one of {', '.join(choices)}, got {value!r}")
     if not (c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())):
@@ -496,10 +496,7 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
             raise
         return RealtimeCharacter(steps=steps, lookahead=1, playout=playout), trained, engine.close
     model, codec, trained = load_engine(spec, weights=weights, device=device, dtype=dtype, seed=weights_seed)
-    if config.gemm in ("fp8", "fp8-fast"):
-        from engine.kernels.fp8_linear import quantize_linears_
-
-        quantize_linears_(model, fuse=device.type == "cuda", fast_accum=config.gemm == "fp8-fast")
+    apply_gemm_mode_(model, config.gemm, fuse=device.type == "cuda")
     session = EngineSession(model, seed=noise_seed, **session_kwargs)
     session.start(codec.encode_reference(ch.reference_image(look, spec.image_size)).to(device, dtype))
     return RealtimeCharacter(session, codec, playout=playout), trained, (lambda: None)

@@ -238,7 +238,7 @@ def test_qkv_head_norm_matches_the_model_norms():
     for n in norms:
         n.weight.data = (torch.rand(H, D, generator=g) + 0.5).to(DEVICE)
     qkv = torch.randn(N, 3 * H * D, generator=g).to(DEVICE)
-    fused = qkv_head_norm(qkv, *(n.weight for n in norms))
+    fused = qkv_head_norm(qkv, torch.stack([n.weight for n in norms]))
     split = qkv.unflatten(-1, (3, H, D)).permute(1, 2, 0, 3)
     for i in range(3):
         assert torch.allclose(fused[i], norms[i](split[i]), atol=1e-5)

@@ -25,16 +25,22 @@ valid[:live] = 1
 out = torch.empty(M, H * D, device=dev, dtype=torch.bfloat16)
 qks = qk_scale(sc, sc, D)
 ref = attention_reference(q8, k8, vt8, valid, sc, sc, sc)
-rows = []
+
+
+def compiled() -> list:
+    """The attention kernel's variants compiled so far (Triton's cache for this device)."""
+    return list(_attn_kernel.device_caches[0][0].values()) if hasattr(_attn_kernel, "device_caches") else []
+
+
 for opts in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
     row = dict(opts)
     try:
         att = FP8Attention(H, M, S, D, dev, **opts)
-        before = set(_kernel for _kernel in _attn_kernel.device_caches[0][0].values()) if hasattr(_attn_kernel, "device_caches") else set()
+        before = compiled()
         fn = lambda: att(q8, k8, vt8, valid, qks, sc, out)
         row["us"] = 1000 * event_ms(fn, dev, 20)
         row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
-        new = [k for k in _attn_kernel.device_caches[0][0].values() if k not in before] if hasattr(_attn_kernel, "device_caches") else []
+        new = [k for k in compiled() if k not in before]
         if new:
             ptx = new[0].asm.get("ptx", "")
             row.update(wgmma=ptx.count("wgmma.mma_async"), wgmma_wait=ptx.count("wgmma.wait_group"),
@@ -42,5 +48,4 @@ for opts in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
                        n_regs=getattr(new[0], "n_regs", None), spills=getattr(new[0], "n_spills", None))
     except Exception as e:  # a configuration the compiler rejects
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows.append(row)
     print(json.dumps(row), flush=True)

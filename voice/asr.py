@@ -72,6 +72,7 @@ def _load_model(model: str, device: str, compute_type: str, cpu_threads: int, wo
     )
 
 
+@functools.cache  # per loaded model (models are cached too): the probe's encode runs once
 def cuda_problem(whisper) -> str | None:
     """Why a model loaded on CUDA cannot run there, or None. CTranslate2 reports a CUDA device whenever the
     driver sees one, but its CUDA build also needs CUDA 12's cuBLAS, which it loads only at the first encode

@@ -39,3 +39,18 @@ def available() -> bool:
 
 def supports_fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# The blocks' big linears: as built (bf16/float) | FP8 | FP8 with the tensor cores' fast accumulation (GPU)
+GEMM_MODES = ("plain", "fp8", "fp8-fast")
+
+
+def apply_gemm_mode_(model, mode: str, *, fuse: bool, branch_streams: bool = True):
+    """The model's block linears under `mode` (one of GEMM_MODES), in place; Triton is imported only for FP8."""
+    if mode not in GEMM_MODES:
+        raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {mode!r}")
+    if mode != "plain":
+        from engine.kernels.fp8_linear import quantize_linears_
+
+        quantize_linears_(model, fuse=fuse, branch_streams=branch_streams, fast_accum=mode == "fp8-fast")
+    return model

@@ -81,6 +81,9 @@ class FP8Linear(nn.Module):
         return ((x8.float() * sx) @ (self.weight8.float() * self.weight_scale.t()).t()).to(torch.bfloat16)
 
 
+BLOCK_LINEARS = ("qkv", "attn_out", "mlp_in", "mlp_out")  # the block linears FP8 serves
+
+
 def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False) -> nn.Module:
     """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
     (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention);
@@ -88,7 +91,7 @@ def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool 
     from engine.kernels.fused_block import block_forward
 
     for block in model.blocks:
-        for name in ("qkv", "attn_out", "mlp_in", "mlp_out"):
+        for name in BLOCK_LINEARS:
             if not isinstance(getattr(block, name), FP8Linear):
                 setattr(block, name, FP8Linear(getattr(block, name), fast_accum=fast_accum))
         block.fused_forward = block_forward if fuse else None

@@ -58,14 +58,12 @@ def _qkv_norm_kernel(qkv, w, out, N, H, eps, D: tl.constexpr, BLOCK_T: tl.conste
     tl.store(out + r * N * D + tok[:, None] * D + d[None, :], y.to(out.dtype.element_ty), mask=m)
 
 
-def qkv_head_norm(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor, eps: float = 1e-6,
-                  gains: torch.Tensor | None = None):
-    """qkv (N, 3*H*D) -> RMS-normalised q, k, v, each (H, N, D); gains (H, D), or all three stacked (3, H, D)."""
+def qkv_head_norm(qkv: torch.Tensor, gains: torch.Tensor, eps: float = 1e-6):
+    """qkv (N, 3*H*D) -> RMS-normalised q, k, v, each (H, N, D); gains (3, H, D): q's, k's and v's, stacked."""
     N = qkv.shape[0]
-    H, D = q_w.shape
+    _, H, D = gains.shape
     out = torch.empty(3, H, N, D, device=qkv.device, dtype=qkv.dtype)
-    w = torch.stack([q_w, k_w, v_w]) if gains is None else gains
-    _qkv_norm_kernel[(triton.cdiv(N, 32), 3 * H)](qkv, w, out, N, H, eps, D=D, BLOCK_T=32)
+    _qkv_norm_kernel[(triton.cdiv(N, 32), 3 * H)](qkv, gains.contiguous(), out, N, H, eps, D=D, BLOCK_T=32)
     return out.unbind(0)
 
 
@@ -146,7 +144,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     # One small add: taking the table inside the two kernels that read it measured slower (more registers, more loads).
     shift, scale, gate_attn, gate_mlp = (mod + block.modulation).unbind(0)  # rows of a (4, dim) tensor: contiguous
     h8, sh = ln_modulate_quant(x, shift, scale, block.norm.eps)
-    side = branch_stream(x.device) if getattr(block, "branch_streams", False) and x.is_cuda else None
+    side = branch_stream(x.device) if block.branch_streams and x.is_cuda else None
     fused_combine = block.fused_combine is not None
 
     def mlp_branch():
@@ -158,8 +156,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
         side.wait_stream(here)
         with torch.cuda.stream(side):
             mlp = mlp_branch()
-    q, k, v = qkv_head_norm(block.qkv.forward_quantized(h8, sh), block.q_norm.weight, block.k_norm.weight,
-                            block.v_norm.weight, block.q_norm.eps, gains=_stacked_gains(block))
+    q, k, v = qkv_head_norm(block.qkv.forward_quantized(h8, sh), _stacked_gains(block), block.q_norm.eps)
     a = attend(q, k, v)  # (H, N, D)
     a = block.attn_out(a.transpose(0, 1).flatten(-2))
     if side is not None:
