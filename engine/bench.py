@@ -483,6 +483,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
         opts = {"pv_fp8": True, **opts, "warp_specialize": False}
         try:
             att = FP8Attention(H, M, S, D, device, **opts)
+            att.mark_live_tiles(valid)
             fn = lambda: att(q8, k8, vt8, valid, qks, scale, out)
             ms = event_ms(fn, device, repeats)
             err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -674,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="each block's MLP branch on a side stream beside its attention (the other setting is timed too)")
     st.add_argument("--fast-accum", choices=("on", "off"), default="on",
                     help="FP8 GEMMs with the tensor cores' fast accumulation (the other setting is timed too)")
-    st.add_argument("--attention-options", default="{}", help="JSON: block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma")
+    st.add_argument("--attention-options", default="{}", help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")

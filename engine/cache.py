@@ -165,7 +165,15 @@ class RingKVCache:
         self.qk_scale = qk_scale(self.q_scale, self.k_scale, D)  # (L, H)
         self.q8 = torch.empty(H, s.frame_tokens, D, dtype=fp8.FP8, device=self.device)
         self.out = torch.empty(s.frame_tokens, H * D, dtype=torch.bfloat16, device=self.device)
-        self.attention = FP8Attention(H, s.frame_tokens, self.k.shape[2], D, self.device, **attention_options)
+        options = dict(attention_options)
+        kernel = options.pop("kernel", "triton")
+        if kernel == "ws":  # the warp-specialised Hopper kernel (Gluon)
+            from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention as attention_class
+        elif kernel == "triton":
+            attention_class = FP8Attention
+        else:
+            raise ValueError(f"attention kernel must be 'triton' or 'ws', got {kernel!r}")
+        self.attention = attention_class(H, s.frame_tokens, self.k.shape[2], D, self.device, **options)
         self.rotate_window(count=False)  # compiles the rotation now (zeros stay zeros), not in the first reset step
 
     # Storage helpers ----------------------------------------------------------
@@ -203,6 +211,7 @@ class RingKVCache:
         if self.backend == "triton":
             self.pos_idx.fill_(self.position - self.spec.sink_distance)
             self.slot.fill_(self.frame_slot(step))
+            self.attention.mark_live_tiles(self.valid)
         self.write_sink_keys()
 
     def rotate_window(self, count: bool = True) -> None:

@@ -2,6 +2,9 @@
 compiler made of it (tensor-core and shared-memory instructions in the PTX, registers, spills).
 
     python tools/attn_probe.py '[{"block_n": 64, "tma": true}, {"block_m": 128, "block_n": 128, "num_warps": 8}]'   # on a GPU
+    python tools/attn_probe.py '[{"kernel": "ws", "block_n": 128, "stages": 3}]'   # the warp-specialised kernel
+
+The first line printed is SDPA in bf16 over the same (live) slots, for scale.
 """
 import json
 import sys
@@ -11,6 +14,7 @@ import torch
 from engine import fp8
 from engine.bench import event_ms
 from engine.kernels.fp8_attention import FP8Attention, _attn_kernel, attention_reference, qk_scale
+from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
 
 dev = torch.device("cuda")
 H, M, S, D = 20, 757, 5824, 128
@@ -32,10 +36,17 @@ def compiled() -> list:
     return list(_attn_kernel.device_caches[0][0].values()) if hasattr(_attn_kernel, "device_caches") else []
 
 
+qb, kb, vb = (x.float().bfloat16()[None] for x in (q8, k8[:, :live], vt8.transpose(1, 2)[:, :live]))
+sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
+print(json.dumps({"kernel": "sdpa_bf16", "us": 1000 * event_ms(sdpa, dev, 20)}), flush=True)
+
 for opts in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
     row = dict(opts)
     try:
-        att = FP8Attention(H, M, S, D, dev, **opts)
+        opts = dict(opts)
+        kernel = opts.pop("kernel", "triton")
+        att = (WarpSpecializedFP8Attention if kernel == "ws" else FP8Attention)(H, M, S, D, dev, **opts)
+        att.mark_live_tiles(valid)
         before = compiled()
         fn = lambda: att(q8, k8, vt8, valid, qks, sc, out)
         row["us"] = 1000 * event_ms(fn, dev, 20)

@@ -1,0 +1,231 @@
+"""FP8 attention over the ring cache, warp-specialised for Hopper (Gluon).
+
+The function of fp8_attention.py (q (H, M, D), K (H, S, D), V stored transposed (H, D, S), all e4m3
+with one scale per head, a validity byte per slot; output (M, H*D) bf16), scheduled by hand the way
+FlashAttention-3 schedules it, which Triton's own pipeliner does not:
+
+- one producer warp streams K and Vᵀ tiles through the copy engine (TMA) into a ring of shared-memory
+  stages, each guarded by a ready and an empty barrier, so loads never wait behind arithmetic;
+- the consumer warpgroup keeps the tensor cores fed across its softmax: q·kᵀ of block i+1 and P·V of
+  block i are issued together, and the softmax of block i+1 runs while P·V of block i is in flight;
+- two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
+  products.
+
+Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py.
+Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
+hold it to `attention_reference` on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+              q_row, k_row, v_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for i in range(n_blocks):
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        # A fresh barrier counts as having completed the phase before 0: the first pass does not wait.
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), vt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(vt_desc, [v_row, i * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _max(a, b):  # reduction operators of our own: gl.max and gl.sum turn into interpreter
+    return gl.maximum(a, b)  # functions under TRITON_INTERPRET=1, which Gluon cannot compile
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _softmax_block(s, valid, tile_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax of score block `tile`, in log2 units, against (max - 8). Tiles known to be fully
+    live skip the per-slot mask (the validity bytes cost as much as the exponentials)."""
+    if gl.load(tile_live + tile) == 0:
+        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        live = gl.load(valid + cols, mask=cols < S, other=0) != 0  # empty ring slots, padding, tiles past S
+        s = gl.where(live[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.reduce(s, 1, _max) * scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no live slot yet
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s * scale - (m_safe - 8.0)[:, None])  # <= 256: inside e4m3's 448
+    l_i = l_i * alpha + gl.reduce(p, 1, _add)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live, qk_scale, v_scale,
+              out, s_om, h, off_m, M, S, n_blocks, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, num_warps: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    scale = gl.load(qk_scale + h)  # q_scale * k_scale / sqrt(D) * log2(e)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, m_i, l_i, alpha = _softmax_block(s, valid, tile_live, 0, S, scale, m_i, l_i, BLOCK_N, s_layout)
+    for i in range(n_blocks - 1):
+        cur = i % STAGES
+        nxt = (i + 1) % STAGES
+        mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        mbarrier.wait(v_ready.index(cur), (i // STAGES) & 1)
+        o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # q·kᵀ done; P·V may still run under the softmax below
+        mbarrier.arrive(k_empty.index(nxt), count=1)
+        p, m_i, l_i, alpha = _softmax_block(s, valid, tile_live, i + 1, S, scale, m_i, l_i, BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(v_empty.index(cur), count=1)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    last = (n_blocks - 1) % STAGES
+    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    o_tok = warpgroup_mma(p8, v_smem.index(last).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[o_tok])
+
+    l_o = gl.convert_layout(l_i, o_rows)
+    o = acc * (gl.load(v_scale + h) / gl.where(l_o == 0.0, 1.0, l_o))[:, None]
+    rows = off_m + gl.arange(0, BLOCK_M, layout=o_rows)
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out + rows[:, None] * s_om + h * D + d[None, :], o.to(gl.bfloat16), mask=(rows < M)[:, None])
+
+
+@gluon.jit
+def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, M, S,
+                    D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    num_warps: gl.constexpr):
+    pid_m, h = gl.program_id(0), gl.program_id(1)
+    off_m = pid_m * BLOCK_M
+    n_blocks = (S + BLOCK_N - 1) // BLOCK_N
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BLOCK_N], vt_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=1)
+    # q as (H*M, D): a tile past this head's M rows reads the next head's (never stored) or zeros (TMA
+    # fills past the end); K as (H*S, D) likewise, the slots past S masked; Vᵀ as (H*D, S).
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live, qk_scale, v_scale,
+                     out, s_om, h, off_m, M, S, n_blocks, D, BLOCK_M, BLOCK_N, STAGES, num_warps)),
+        (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
+    ], [1], [24])
+
+
+def descriptor_layouts(block_m: int, block_n: int, head_dim: int) -> tuple:
+    """Shared-memory layouts of the q, K and Vᵀ tiles (128-byte swizzle where the rows allow)."""
+    fp8 = gl.float8e4nv
+    return (gl.NVMMASharedLayout.get_default_for([block_m, head_dim], fp8),
+            gl.NVMMASharedLayout.get_default_for([block_n, head_dim], fp8),
+            gl.NVMMASharedLayout.get_default_for([head_dim, block_n], fp8))
+
+
+class WarpSpecializedFP8Attention:
+    """Launcher, called like FP8Attention. block_m 64 runs one consumer warpgroup per program, two
+    programs per SM (maxnreg 128); block_m 128 runs two consumer warpgroups, one program per SM."""
+
+    def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device=None,
+                 block_m: int = 64, block_n: int = 128, stages: int = 2, maxnreg: int | None = None):
+        if block_m not in (64, 128):
+            raise ValueError(f"block_m must be 64 or 128 (one or two consumer warpgroups), got {block_m}")
+        if block_n not in (32, 64, 128):  # TMA tiles are powers of two; 256 leaves too few registers
+            raise ValueError(f"block_n must be 32, 64 or 128, got {block_n}")
+        if stages < 2:
+            raise ValueError(f"stages must be >= 2 (loads run ahead of the products), got {stages}")
+        if n_slots % 16:
+            raise ValueError(f"the slots ({n_slots}) must be a multiple of 16 (TMA rows of 16 bytes)")
+        self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
+        self.block_m, self.block_n, self.stages = block_m, block_n, stages
+        self.num_warps = block_m // 16
+        self.maxnreg = maxnreg if maxnreg is not None else (128 if block_m == 64 else 168)
+        self._descriptors: dict[tuple[int, int, int], tuple] = {}
+        # Per K/V tile, 1 where every slot is known live: set by mark_live_tiles, 0 (masked, always
+        # correct) until then. Slots only ever turn live, so a mark made before writes stays true.
+        self.tile_live = torch.zeros(triton.cdiv(n_slots, block_n), dtype=torch.int8, device=device)
+
+    def mark_live_tiles(self, valid: torch.Tensor) -> None:
+        """Record which tiles of `valid` (S,) are fully live; once a step, outside any CUDA graph."""
+        full = self.S // self.block_n  # a partial last tile stays masked
+        self.tile_live[:full].copy_((valid[: full * self.block_n].view(full, self.block_n) != 0).all(1))
+
+    def __call__(self, q8, k8, vt8, valid, qk_scale, v_scale, out):
+        """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16; scales as FP8Attention."""
+        H, M, D = q8.shape
+        q_desc, k_desc, vt_desc = self.descriptors(q8, k8, vt8)
+        _attn_ws_kernel[(triton.cdiv(M, self.block_m), H)](
+            q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
+            D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages,
+            num_warps=self.num_warps, maxnreg=self.maxnreg)
+        return out
+
+    def descriptors(self, q8, k8, vt8) -> tuple:
+        """TMA descriptors of q as (H*M, D), K as (H*S, D) and Vᵀ as (H*D, S), made once per buffer triple."""
+        key = (q8.data_ptr(), k8.data_ptr(), vt8.data_ptr())
+        if key not in self._descriptors:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            H, M, S, D = self.H, self.M, self.S, self.D
+            q_l, k_l, v_l = descriptor_layouts(self.block_m, self.block_n, D)
+            self._descriptors[key] = (TensorDescriptor.from_tensor(q8.view(H * M, D), [self.block_m, D], q_l),
+                                      TensorDescriptor.from_tensor(k8.view(H * S, D), [self.block_n, D], k_l),
+                                      TensorDescriptor.from_tensor(vt8.view(H * D, S), [D, self.block_n], v_l))
+        return self._descriptors[key]
+
+
+def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 128, stages: int = 3,
+                       maxnreg: int | None = None):
+    """Build the kernel for sm_90a on any machine, GPU or not (Triton ships ptxas): the compiled
+    kernel, its PTX under `.asm["ptx"]`. The launch signature depends on tile shapes only."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    att = WarpSpecializedFP8Attention(1, block_m, block_n, head_dim, block_m=block_m, block_n=block_n, stages=stages,
+                                      maxnreg=maxnreg)
+    fp8 = torch.float8_e4m3fn
+    descs = att.descriptors(torch.zeros(1, block_m, head_dim, dtype=fp8), torch.zeros(1, block_n, head_dim, dtype=fp8),
+                            torch.zeros(1, head_dim, block_n, dtype=fp8))
+    signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]), "vt_desc": mangle_type(descs[2]),
+                 "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*bf16", "s_om": "i32", "M": "i32",
+                 "S": "i32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
+                 "num_warps": "constexpr"}
+    constants = {"D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "num_warps": att.num_warps}
+    return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg})
