@@ -313,6 +313,14 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                 for o in objects:
                     setattr(o, name, on)
                 del other
+            out["attention_kernel"] = session.cache.attention_kernel
+            if session.cache.attention_kernel == "ws":  # and with the Triton FP8 attention kernel instead
+                other = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True,
+                                      attention_options={"kernel": "triton"})
+                other.start(ref_latent)
+                out["step_ms_with_triton_attention"] = statistics.median(
+                    _timed_steps(other, audio, steps, warmup, device, resets=False)[0])
+                del other
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
         out["gemm_ms"] = time_part(_gemms_of_a_step(model, full, device, dtype))
@@ -447,8 +455,11 @@ def bench_step_group(spec_name: str, world: int, steps: int, warmup: int) -> dic
 @torch.no_grad()
 def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int) -> dict:
     """One attention call at the production shape: FP8 kernel configurations vs SDPA in bf16."""
+    from engine.kernels import attention_kernel
     from engine.kernels.fp8_attention import FP8Attention, attention_reference, qk_scale
 
+    if attention_kernel("auto", device) == "ws":
+        from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
     spec = shard_spec(get_spec(spec_name), tp)
     H, M, D = spec.n_heads, spec.frame_tokens, spec.head_dim
     S = -(-spec.cache_slots // 64) * 64  # as the ring stores them; the padding is masked
@@ -479,10 +490,16 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     # P x V in fp16 (V widened): half the MMA rate, but P stays in the accumulator's register layout, where
     # an e4m3 P must first be shuffled into the layout of an FP8 operand.
     sweep += [dict(block_m=64, block_n=bn, num_warps=4, num_stages=3, splits=1, exp2="mufu", pv_fp8=False) for bn in (64, 128)]
+    sweep = [{"kernel": "triton", **o} for o in sweep]
+    if attention_kernel("auto", device) == "ws":  # the warp-specialised Hopper kernel: tile shapes, pipeline depths
+        sweep += [dict(kernel="ws", block_m=64, block_n=bn, stages=st) for bn, st in ((128, 2), (128, 3), (64, 3), (64, 4))]
+        sweep += [dict(kernel="ws", block_m=128, block_n=128, stages=2)]
     for opts in sweep:
-        opts = {"pv_fp8": True, **opts, "warp_specialize": False}
+        if opts["kernel"] == "triton":
+            opts = {"pv_fp8": True, **opts, "warp_specialize": False}
         try:
-            att = FP8Attention(H, M, S, D, device, **opts)
+            options = {k: v for k, v in opts.items() if k != "kernel"}
+            att = (FP8Attention if opts["kernel"] == "triton" else WarpSpecializedFP8Attention)(H, M, S, D, device, **options)
             att.mark_live_tiles(valid)
             fn = lambda: att(q8, k8, vt8, valid, qks, scale, out)
             ms = event_ms(fn, device, repeats)

@@ -141,6 +141,7 @@ class RingKVCache:
             self._init_triton(q_gains, attention_options or {})
 
     def _init_triton(self, q_gains: list[torch.Tensor] | None, attention_options: dict) -> None:
+        from engine.kernels import attention_kernel
         from engine.kernels.fp8_attention import FP8Attention, qk_scale
 
         s, H, D = self.spec, self.n_heads, self.spec.head_dim
@@ -166,13 +167,14 @@ class RingKVCache:
         self.q8 = torch.empty(H, s.frame_tokens, D, dtype=fp8.FP8, device=self.device)
         self.out = torch.empty(s.frame_tokens, H * D, dtype=torch.bfloat16, device=self.device)
         options = dict(attention_options)
-        kernel = options.pop("kernel", "triton")
-        if kernel == "ws":  # the warp-specialised Hopper kernel (Gluon)
+        kernel = options.pop("kernel", "auto")
+        if kernel == "auto" and options:  # tile options differ between the kernels
+            raise ValueError(f"attention options {sorted(options)} need the kernel they are for: add \"kernel\": \"triton\" or \"ws\"")
+        self.attention_kernel = attention_kernel(kernel, self.device)
+        if self.attention_kernel == "ws":  # the warp-specialised Hopper kernel (Gluon)
             from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention as attention_class
-        elif kernel == "triton":
-            attention_class = FP8Attention
         else:
-            raise ValueError(f"attention kernel must be 'triton' or 'ws', got {kernel!r}")
+            attention_class = FP8Attention
         self.attention = attention_class(H, s.frame_tokens, self.k.shape[2], D, self.device, **options)
         self.rotate_window(count=False)  # compiles the rotation now (zeros stay zeros), not in the first reset step
 

@@ -19,7 +19,7 @@ from engine.audio import SAMPLE_RATE
 from engine.cache import KV_DTYPES
 from engine.character import PRESETS, reference_image
 from engine.config import SPECS, get_spec
-from engine.kernels import apply_gemm_mode_
+from engine.kernels import ATTENTION_KERNELS, apply_gemm_mode_
 from engine.media import Mp4Writer, read_audio
 from engine.realtime import RealtimeCharacter, RemoteSteps
 from engine.session import EngineSession
@@ -41,8 +41,9 @@ def make_session(model, args) -> EngineSession:
     cache = "reference" if args.attention == "reference" else "ring"
     backend = BACKENDS[args.attention]
     session = EngineSession(model, cache=cache, kv_dtype=args.kv_dtype, reset_every=args.reset_every, seed=args.seed,
-                            backend=backend, cuda_graph=args.cuda_graph)
-    print(f"engine: cache={cache} backend={session.backend} kv={args.kv_dtype if cache == 'ring' else 'float'} "
+                            backend=backend, cuda_graph=args.cuda_graph, attention_options={"kernel": args.attention_kernel})
+    kernel = f" attention_kernel={session.cache.attention_kernel}" if session.backend == "triton" else ""
+    print(f"engine: cache={cache} backend={session.backend}{kernel} kv={args.kv_dtype if cache == 'ring' else 'float'} "
           f"gemm={args.gemm} cuda_graph={args.cuda_graph} device={session.device}", file=sys.stderr)
     return session
 
@@ -71,7 +72,8 @@ def build_character(args, spec, device: torch.device):
         else:
             placement = Placement(cpu_ranks=args.tp)
         session_kwargs = dict(cache="reference" if args.attention == "reference" else "ring", kv_dtype=args.kv_dtype,
-                              reset_every=args.reset_every, backend=BACKENDS[args.attention], cuda_graph=args.cuda_graph)
+                              reset_every=args.reset_every, backend=BACKENDS[args.attention], cuda_graph=args.cuda_graph,
+                              attention_options={"kernel": args.attention_kernel})
         engine = DistributedEngine(spec, placement, weights=args.weights, seed=args.seed, session=session_kwargs,
                                    gemm=gemm_mode(args))
         _, codec, trained = load_engine(spec, weights=args.weights, seed=args.seed)
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="auto", choices=ATTENTION,
                    help="triton: FP8 ring + Triton kernels; sdpa: FP8 ring read by PyTorch SDPA; "
                         "reference: the plain path (float cache, read-time RoPE); auto: triton where it runs")
+    p.add_argument("--attention-kernel", default="auto", choices=ATTENTION_KERNELS,
+                   help="the triton path's FP8 attention kernel: ws (warp-specialised, Hopper GPUs) or triton; auto: ws where it runs")
     p.add_argument("--gemm", default="bf16", choices=("bf16", "fp8", "fp8-fast"),
                    help="block linears in bf16 or FP8; fp8-fast: FP8 with the tensor cores' fast accumulation (GPU)")
     p.add_argument("--cuda-graph", action="store_true", help="replay each step's passes as one CUDA graph (triton only)")
@@ -129,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         device = pick_device(args.device)
         if args.gemm == "fp8-fast" and device.type != "cuda" and args.gpus is None:
             raise ValueError("--gemm fp8-fast needs a CUDA GPU (fast accumulation is a tensor-core mode)")
+        if args.attention_kernel == "ws" and args.attention in ("sdpa", "reference"):
+            raise ValueError(f"--attention-kernel ws is a kernel of the triton path, not of --attention {args.attention}")
+        if args.attention_kernel == "ws" and device.type != "cuda" and args.gpus is None:
+            raise ValueError("--attention-kernel ws needs a Hopper GPU (sm_90)")
         if not Path(args.out).resolve().parent.is_dir():
             raise ValueError(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
         pcm = read_audio(args.audio, max_seconds=args.max_seconds)

@@ -38,7 +38,7 @@ import torch
 
 from engine import character as ch
 from engine.audio import SAMPLE_RATE, frame_sample
-from engine.kernels import GEMM_MODES, apply_gemm_mode_
+from engine.kernels import ATTENTION_KERNELS, GEMM_MODES, apply_gemm_mode_
 from engine.weights import pick_device
 
 MAX_OFFSET = 15  # frames either side (SyncNet searches +-15 at 25 fps)
@@ -307,6 +307,7 @@ class EngineConfig:
     cache: str = "ring"  # ring | reference
     kv_dtype: str = "fp8"  # ring cache storage (the reference cache keeps float K/V)
     backend: str = "torch"  # torch (SDPA over the ring) | triton (FP8 attention kernels)
+    attention: str = "auto"  # with backend triton: auto | triton | ws (the warp-specialised Hopper kernel)
     gemm: str = "plain"  # plain | fp8 (block linears in FP8) | fp8-fast (and the tensor cores' fast accumulation)
     cuda_graph: bool = False
     tp: int = 1  # tensor-parallel degree: processes (gloo on CPU, one GPU each on CUDA)
@@ -321,6 +322,7 @@ class EngineConfig:
         extra = [f"tp={self.tp}"] if self.tp > 1 else (["processes"] if self.processes else [])
         extra += ["fused_allreduce"] if self.fused_allreduce else []
         extra += [f"decoder_gpu={self.decoder_gpu}"] if self.decoder_gpu is not None else []
+        extra += [f"attention={self.attention}"] if self.backend == "triton" and self.attention != "auto" else []
         extra += ["cuda_graph"] if self.cuda_graph else []
         extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
         return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
@@ -414,7 +416,8 @@ def check_config(config: EngineConfig, spec=None) -> None:
 
     c = config
     for key, value, choices in (("cache", c.cache, CACHES), ("kv_dtype", c.kv_dtype, tuple(KV_DTYPES)),
-                                ("backend", c.backend, BACKENDS), ("gemm", c.gemm, GEMM_MODES)):
+                                ("backend", c.backend, BACKENDS), ("gemm", c.gemm, GEMM_MODES),
+                                ("attention", c.attention, ATTENTION_KERNELS)):
         if value not in choices:
             raise ValueError(f"config {c.name}: {key} must be one of {', '.join(choices)}, got {value!r}")
     if not (c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())):
@@ -439,6 +442,8 @@ def check_config(config: EngineConfig, spec=None) -> None:
     if c.cuda_graph:
         if c.backend != "triton" or not on_cuda:
             raise ValueError(f"config {c.name}: cuda_graph needs backend=triton on a CUDA device")
+    if c.attention == "ws" and (c.backend != "triton" or not on_cuda):
+        raise ValueError(f"config {c.name}: attention=ws (the warp-specialised Hopper kernel) needs backend=triton on a CUDA GPU")
     if c.backend == "triton" and not on_cuda:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"config {c.name}: backend=triton on the CPU runs only under Triton's interpreter "
@@ -478,7 +483,8 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
     device = config_device(config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     session_kwargs = dict(cache=config.cache, kv_dtype=config.kv_dtype, backend=config.backend,
-                          reset_every=config.reset_every, cuda_graph=config.cuda_graph)
+                          reset_every=config.reset_every, cuda_graph=config.cuda_graph,
+                          attention_options={"kernel": config.attention})
     if config.tp > 1 or config.processes:
         from engine.distributed import DistributedEngine, Placement
 

@@ -17,9 +17,10 @@ from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention, compile
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.mark.parametrize("block_m, block_n, stages", [(64, 128, 3), (128, 128, 2), (64, 64, 4)])
-def test_builds_for_hopper_with_async_tensor_cores_and_no_spills(block_m, block_n, stages):
-    kernel = compile_for_hopper(block_m=block_m, block_n=block_n, stages=stages)
+@pytest.mark.parametrize("block_m, block_n, stages, head_dim", [(64, 128, 3, 128), (128, 128, 2, 128), (64, 64, 4, 128),
+                                                                 (64, 128, 3, 64)])
+def test_builds_for_hopper_with_async_tensor_cores_and_no_spills(block_m, block_n, stages, head_dim):
+    kernel = compile_for_hopper(head_dim, block_m=block_m, block_n=block_n, stages=stages)
     ptx = kernel.asm["ptx"]
     assert ".target sm_90a" in ptx
     assert ptx.count("wgmma.mma_async") > 0 and "wgmma.wait_group.sync.aligned 1" in ptx  # q·kᵀ waited on, P·V in flight
@@ -51,15 +52,15 @@ def test_marks_only_fully_live_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-@pytest.mark.parametrize("block_m, block_n, stages, S, marked", [
-    (64, 128, 3, 320, True), (64, 128, 2, 5824, True), (64, 128, 2, 5824, False), (128, 128, 2, 320, True),
-    (64, 64, 4, 512, True), (64, 64, 6, 336, True)])
-def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S, marked):
+@pytest.mark.parametrize("block_m, block_n, stages, S, marked, D", [
+    (64, 128, 3, 320, True, 128), (64, 128, 2, 5824, True, 128), (64, 128, 2, 5824, False, 128),
+    (128, 128, 2, 320, True, 128), (64, 64, 4, 512, True, 128), (64, 64, 6, 336, True, 128), (64, 128, 3, 1024, True, 64)])
+def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S, marked, D):
     """S = 320 leaves a partial last tile (slots past S masked, the next head's K rows read and ignored);
-    M = 70 a partial query tile; the empty ring slots are masked. Marked: tiles known fully live skip
+    M = 70 a partial query tile; the empty ring slots are masked; D = 64 is the demo model's head. Marked: tiles known fully live skip
     the mask; unmarked, every tile is masked."""
     g = torch.Generator().manual_seed(1)
-    H, M, D, dev = 3, 70, 128, torch.device("cuda")
+    H, M, dev = 3, 70, torch.device("cuda")
     rms = lambda *shape: (lambda x: x / x.pow(2).mean(-1, keepdim=True).sqrt())(torch.randn(*shape, generator=g)).to(dev)
     scale = fp8.per_head_scale(torch.rand(H, D, generator=g).to(dev) + 0.5)
     q8, k8 = fp8.quantize(rms(H, M, D), scale), fp8.quantize(rms(H, S, D), scale)

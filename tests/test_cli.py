@@ -69,6 +69,8 @@ def test_generate_writes_a_playable_mp4_with_audio(tmp_path):
         (["--audio", "{junk}"], "cannot decode"),
         (["--audio", "{empty}"], "no audio"),
         (["--audio", "{tone}", "--device", "cpu", "--gemm", "fp8-fast"], "--gemm fp8-fast needs a CUDA GPU"),
+        (["--audio", "{tone}", "--device", "cpu", "--attention-kernel", "ws"], "--attention-kernel ws needs a Hopper GPU"),
+        (["--audio", "{tone}", "--attention", "sdpa", "--attention-kernel", "ws"], "not of --attention sdpa"),
     ],
 )
 def test_generate_bad_input(tmp_path, args, message):

@@ -173,9 +173,24 @@ def test_triton_session_tracks_the_pytorch_fp8_session():
     model = _model()
     blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
     ring = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="torch")
-    fast = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="triton", attention_options=dict(splits=2, **blocks))
+    fast = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="triton", attention_options=dict(kernel="triton", splits=2, **blocks))
     rel = ((fast.float() - ring.float()).norm() / ring.float().norm()).item()
     assert rel <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU")
+def test_warp_specialized_attention_session_tracks_the_pytorch_fp8_session():
+    model = _model()
+    ring = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="torch")
+    fast = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="triton", attention_options=dict(kernel="ws"))
+    rel = ((fast.float() - ring.float()).norm() / ring.float().norm()).item()
+    assert rel <= 2e-2
+
+
+def test_attention_options_name_their_kernel():
+    with pytest.raises(ValueError, match="need the kernel they are for"):
+        run_session(_model(), 1, cache="ring", kv_dtype="fp8", backend="triton", attention_options=dict(splits=2))
 
 
 @pytest.mark.gpu

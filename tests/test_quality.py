@@ -164,6 +164,13 @@ def test_fast_accumulation_on_cpu_is_a_clear_error():
         parse_config("fp8-gemm-fast,device=cpu")
 
 
+def test_attention_kernel_choices_are_checked():
+    with pytest.raises(ValueError, match="attention=ws .* needs backend=triton on a CUDA GPU"):
+        parse_config("fp8-attention,attention=ws,device=cpu")
+    with pytest.raises(ValueError, match="attention must be one of auto, triton, ws, got 'flash'"):
+        parse_config("fp8-attention,attention=flash")
+
+
 def test_broken_config_files_are_named(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"preset": "fp8-cache", ')

@@ -287,8 +287,9 @@ def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
            *[f"| {label} | {t:.1f} | {n} |" for label, t, n in rows],
            f"| total kernel time | {prof['kernel_ms_total']:.1f} | |", ""]
     if "fast_accum" not in prof:
-        out += ["(Profiled in an earlier run the same day, before fast accumulation was the benchmark's default: "
-                "these GEMMs promote their sums to float32.)", ""]
+        out += ["(Profiled in an earlier run the same day, before fast accumulation and the warp-specialised attention "
+                "kernel were the benchmark's defaults: these GEMMs promote their sums to float32, and the attention row "
+                "is the Triton kernel.)", ""]
     elif step_ms:
         out += [f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here.", ""]
     return out
@@ -324,7 +325,9 @@ def main() -> None:
         out += ["## One rank's step of the 57b shape at tensor-parallel degree 3", "",
                 f"Run {step.get('date', '?')}. Hardware: {gpu}. Communication left out (one rank's compute only); random weights; "
                 f"median of {step['steps_timed']} steady-state steps after warm-up. Serving path: ring FP8 KV cache with "
-                "write-time RoPE/FP8 kernels, Triton FP8 attention, FP8 GEMMs (per-token x per-channel scales) with fused "
+                "write-time RoPE/FP8 kernels, "
+                + ("the warp-specialised FP8 attention kernel (Gluon, Hopper)" if s.get("attention_kernel") == "ws" else "Triton FP8 attention")
+                + ", FP8 GEMMs (per-token x per-channel scales) with fused "
                 "block kernels" + (" and fast accumulation" if step.get("fast_accum") else "")
                 + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
                 + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
@@ -347,6 +350,10 @@ def main() -> None:
             if key in s:
                 out += [f"With {what} (`--{setting}`; same weights, same run): "
                         f"{ms(s[key])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+        if "step_ms_with_triton_attention" in s:
+            out += ["With the Triton FP8 attention kernel instead of the warp-specialised one "
+                    "(`--attention-options '{\"kernel\": \"triton\"}'`; same weights, same run): "
+                    f"{ms(s['step_ms_with_triton_attention'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"])
         power = power_summary("step_57b_tp3_h200_smi.csv")
         if power:
@@ -356,14 +363,15 @@ def main() -> None:
     if others:
         out += ["Other tensor-parallel degrees (same benchmark, `--tp-shard N`; the breakdown's parts are timed alone, so "
                 "with the MLP branch beside the attention, \"other\" = step - parts also absorbs the overlap):", "",
-                "| degree | serving step ms | FP8 fast accumulation | MLP branch on a side stream | the other branch setting, step ms | "
-                "GEMMs | attention | cache upkeep | other | reset step ms | peak GB | baseline step ms |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| degree | serving step ms | attention kernel | FP8 fast accumulation | MLP branch on a side stream | "
+                "the other branch setting, step ms | GEMMs | attention | cache upkeep | other | reset step ms | peak GB | baseline step ms |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for tp, r in others:
             s, b = r["serving"], r["baseline"]
             streams = r.get("branch_streams", False)
             alt = s.get("step_ms_without_branch_streams" if streams else "step_ms_with_branch_streams", float("nan"))
-            out.append(f"| {tp} | {ms(s['step_ms'])} | {'on' if r.get('fast_accum') else 'off'} | {'on' if streams else 'off'} | "
+            out.append(f"| {tp} | {ms(s['step_ms'])} | {s.get('attention_kernel', 'triton')} | "
+                       f"{'on' if r.get('fast_accum') else 'off'} | {'on' if streams else 'off'} | "
                        f"{ms(alt)} | {ms(s['gemm_ms'])} | "
                        f"{ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | {ms(s['other_ms'])} | "
                        f"{ms(s.get('reset_step_ms', float('nan')))} | {s['peak_memory_gb']:.1f} | {ms(b['step_ms'])} |")
@@ -396,11 +404,23 @@ def main() -> None:
                 f"{shape['heads']} heads x {shape['queries']} queries x {shape['slots']} slots (5,788 live, padding masked), "
                 f"head dim {shape['head_dim']}. Hardware: {gpu}.", "",
                 "Command: `python -m engine.bench attention --tp-shard 3 --json` (result: `docs/results/attention_57b_tp3_h200.json`)", "",
-                "| kernel | us per call | TFLOP/s |", "|---|---|---|",
-                f"| SDPA, bf16 | {att['sdpa_bf16_us']:.1f} | {att['sdpa_tflops']:.0f} |",
-                f"| Triton FP8 (best: {', '.join(f'{k}={v}' for k, v in best.items() if k not in ('us', 'rel_err'))}) "
-                f"| {best['us']:.1f} | {att['fp8_tflops']:.0f} |", "",
-                f"FP8 kernel relative L2 error against exact attention over the same FP8 cache: {best['rel_err']:.3f}.", ""]
+                "| kernel | us per call | TFLOP/s | against SDPA |", "|---|---|---|---|",
+                f"| SDPA, bf16 | {att['sdpa_bf16_us']:.1f} | {att['sdpa_tflops']:.0f} | 1.00x |"]
+        flops = att["fp8_tflops"] * best["us"]
+        names = {"triton": "Triton FP8", "ws": "warp-specialised FP8 (Gluon, Hopper)"}
+        for kernel, name in names.items():
+            ok = [c for c in att["configs"] if "us" in c and c.get("kernel", "triton") == kernel]
+            if ok:
+                top = min(ok, key=lambda c: c["us"])
+                opts = ", ".join(f"{k}={v}" for k, v in top.items() if k not in ("us", "rel_err", "kernel"))
+                out.append(f"| {name} (best: {opts}) | {top['us']:.1f} | {flops / top['us']:.0f} | "
+                           f"{att['sdpa_bf16_us'] / top['us']:.2f}x |")
+        out += ["", f"Relative L2 error of the fastest against exact attention over the same FP8 cache: {best['rel_err']:.3f}.", ""]
+        tests = RESULTS / "pytest_gpu_attention_h200.txt"
+        if tests.is_file():
+            out += ["Both kernels against the PyTorch references on the GPU, and a small session on each against the PyTorch "
+                    "FP8 session (`python -m pytest -q -m gpu tests/test_attention_ws.py tests/test_kernels.py`, output "
+                    f"`docs/results/pytest_gpu_attention_h200.txt`): `{tests.read_text().strip().splitlines()[-1]}`.", ""]
         fa3 = load("fa3_probe_h200.json")
         if fa3:
             state = ("available" if fa3["fa3"] == "active" else
@@ -419,6 +439,12 @@ def main() -> None:
         if found:
             out += [f"Of the {len(att['configs'])} configurations swept, the fastest with each option: "
                     + "; ".join(f"{label} {us:.1f} us" for label, us in found) + ".", ""]
+        ws = [c for c in att["configs"] if c.get("kernel") == "ws" and "us" in c]
+        if ws:
+            out += ["The warp-specialised kernel (`engine/kernels/fp8_attention_ws.py`: a producer warp streams K and Vᵀ "
+                    "tiles by TMA; the consumer warpgroup has q·kᵀ of the next tile in flight under its softmax; two "
+                    "programs share an SM) by tile shape and pipeline depth: "
+                    + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages: {c['us']:.1f} us" for c in ws) + ".", ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:
         out += ["## Step period with the decoder in its own process", "",

@@ -53,10 +53,10 @@ def _add(a, b):
 
 
 @gluon.jit
-def _softmax_block(s, valid, tile_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of score block `tile`, in log2 units, against (max - 8). Tiles known to be fully
     live skip the per-slot mask (the validity bytes cost as much as the exponentials)."""
-    if gl.load(tile_live + tile) == 0:
+    if all_live == 0:
         cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         live = gl.load(valid + cols, mask=cols < S, other=0) != 0  # empty ring slots, padding, tiles past S
         s = gl.where(live[None, :], s, float("-inf"))
@@ -89,10 +89,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(0), count=1)
-    p, m_i, l_i, alpha = _softmax_block(s, valid, tile_live, 0, S, scale, m_i, l_i, BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = _softmax_block(s, valid, gl.load(tile_live), 0, S, scale, m_i, l_i, BLOCK_N, s_layout)
     for i in range(n_blocks - 1):
         cur = i % STAGES
         nxt = (i + 1) % STAGES
+        live_next = gl.load(tile_live + i + 1)  # issued early: its latency hides behind the products
         mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
         s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
@@ -100,7 +101,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # q·kᵀ done; P·V may still run under the softmax below
         mbarrier.arrive(k_empty.index(nxt), count=1)
-        p, m_i, l_i, alpha = _softmax_block(s, valid, tile_live, i + 1, S, scale, m_i, l_i, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _softmax_block(s, valid, live_next, i + 1, S, scale, m_i, l_i, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(v_empty.index(cur), count=1)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -161,7 +162,7 @@ class WarpSpecializedFP8Attention:
     programs per SM (maxnreg 128); block_m 128 runs two consumer warpgroups, one program per SM."""
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device=None,
-                 block_m: int = 64, block_n: int = 128, stages: int = 2, maxnreg: int | None = None):
+                 block_m: int = 64, block_n: int = 128, stages: int = 3, maxnreg: int | None = None):
         if block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128 (one or two consumer warpgroups), got {block_m}")
         if block_n not in (32, 64, 128):  # TMA tiles are powers of two; 256 leaves too few registers
