@@ -458,9 +458,10 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     from engine.kernels import attention_kernel
     from engine.kernels.fp8_attention import FP8Attention, attention_reference, qk_scale
 
-    if attention_kernel("auto", device) == "ws":
-        from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
     spec = shard_spec(get_spec(spec_name), tp)
+    ws = attention_kernel("auto", device, spec.head_dim) == "ws"
+    if ws:
+        from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
     H, M, D = spec.n_heads, spec.frame_tokens, spec.head_dim
     S = -(-spec.cache_slots // 64) * 64  # as the ring stores them; the padding is masked
     g = torch.Generator(device=device).manual_seed(0)
@@ -491,7 +492,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     # an e4m3 P must first be shuffled into the layout of an FP8 operand.
     sweep += [dict(block_m=64, block_n=bn, num_warps=4, num_stages=3, splits=1, exp2="mufu", pv_fp8=False) for bn in (64, 128)]
     sweep = [{"kernel": "triton", **o} for o in sweep]
-    if attention_kernel("auto", device) == "ws":  # the warp-specialised Hopper kernel: tile shapes, pipeline depths
+    if ws:  # the warp-specialised Hopper kernel: tile shapes, pipeline depths
         sweep += [dict(kernel="ws", block_m=64, block_n=bn, stages=st) for bn, st in ((128, 2), (128, 3), (64, 3), (64, 4))]
         sweep += [dict(kernel="ws", block_m=128, block_n=128, stages=2)]
     for opts in sweep:

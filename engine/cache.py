@@ -170,7 +170,7 @@ class RingKVCache:
         kernel = options.pop("kernel", "auto")
         if kernel == "auto" and options:  # tile options differ between the kernels
             raise ValueError(f"attention options {sorted(options)} need the kernel they are for: add \"kernel\": \"triton\" or \"ws\"")
-        self.attention_kernel = attention_kernel(kernel, self.device)
+        self.attention_kernel = attention_kernel(kernel, self.device, D)
         if self.attention_kernel == "ws":  # the warp-specialised Hopper kernel (Gluon)
             from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention as attention_class
         else:

@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         device = pick_device(args.device)
         if args.gemm == "fp8-fast" and device.type != "cuda" and args.gpus is None:
             raise ValueError("--gemm fp8-fast needs a CUDA GPU (fast accumulation is a tensor-core mode)")
-        if args.attention_kernel == "ws" and args.attention in ("sdpa", "reference"):
-            raise ValueError(f"--attention-kernel ws is a kernel of the triton path, not of --attention {args.attention}")
+        if args.attention_kernel != "auto" and args.attention in ("sdpa", "reference"):
+            raise ValueError(f"--attention-kernel {args.attention_kernel} is a kernel of the triton path, not of --attention {args.attention}")
         if args.attention_kernel == "ws" and device.type != "cuda" and args.gpus is None:
             raise ValueError("--attention-kernel ws needs a Hopper GPU (sm_90)")
         if not Path(args.out).resolve().parent.is_dir():

@@ -322,7 +322,7 @@ class EngineConfig:
         extra = [f"tp={self.tp}"] if self.tp > 1 else (["processes"] if self.processes else [])
         extra += ["fused_allreduce"] if self.fused_allreduce else []
         extra += [f"decoder_gpu={self.decoder_gpu}"] if self.decoder_gpu is not None else []
-        extra += [f"attention={self.attention}"] if self.backend == "triton" and self.attention != "auto" else []
+        extra += [f"attention={self.attention}"] if self.backend == "triton" else []
         extra += ["cuda_graph"] if self.cuda_graph else []
         extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
         return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
@@ -442,8 +442,10 @@ def check_config(config: EngineConfig, spec=None) -> None:
     if c.cuda_graph:
         if c.backend != "triton" or not on_cuda:
             raise ValueError(f"config {c.name}: cuda_graph needs backend=triton on a CUDA device")
-    if c.attention == "ws" and (c.backend != "triton" or not on_cuda):
-        raise ValueError(f"config {c.name}: attention=ws (the warp-specialised Hopper kernel) needs backend=triton on a CUDA GPU")
+    if c.attention != "auto" and c.backend != "triton":
+        raise ValueError(f"config {c.name}: attention={c.attention} picks a kernel of backend=triton, not of backend={c.backend}")
+    if c.attention == "ws" and not on_cuda:
+        raise ValueError(f"config {c.name}: attention=ws (the warp-specialised Hopper kernel) needs a CUDA GPU")
     if c.backend == "triton" and not on_cuda:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"config {c.name}: backend=triton on the CPU runs only under Triton's interpreter "

@@ -165,8 +165,11 @@ def test_fast_accumulation_on_cpu_is_a_clear_error():
 
 
 def test_attention_kernel_choices_are_checked():
-    with pytest.raises(ValueError, match="attention=ws .* needs backend=triton on a CUDA GPU"):
+    with pytest.raises(ValueError, match="attention=ws .* needs a CUDA GPU"):
         parse_config("fp8-attention,attention=ws,device=cpu")
+    with pytest.raises(ValueError, match="attention=triton picks a kernel of backend=triton, not of backend=torch"):
+        parse_config("fp8-cache,attention=triton")
+    assert "attention=auto" in parse_config("fp8-attention").describe()  # results name the rule that picked the kernel
     with pytest.raises(ValueError, match="attention must be one of auto, triton, ws, got 'flash'"):
         parse_config("fp8-attention,attention=flash")
 

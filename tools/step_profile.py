@@ -1,6 +1,7 @@
 """Where one rank's serving step spends its GPU time, kernel by kernel (torch.profiler).
 
     python tools/step_profile.py [--tp-shard 3] [--attention-options JSON]   # on a GPU; prints JSON
+    (tile options name their kernel: '{"kernel": "ws", "stages": 2}' or '{"kernel": "triton", "block_n": 64}')
 
 The step runs eagerly here (no CUDA graph) so that every kernel shows by name; kernel durations
 are the GPU's own, launch gaps are not counted. Kernels are grouped by name and sorted by total time.

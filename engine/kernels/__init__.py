@@ -59,31 +59,33 @@ def apply_gemm_mode_(model, mode: str, *, fuse: bool, branch_streams: bool = Tru
 # The FP8 attention kernel over the ring: fp8_attention.py (Triton, any GPU with FP8 tensor cores and the
 # CPU interpreter) | fp8_attention_ws.py (Gluon, warp-specialised, Hopper only) | auto: ws where it runs
 ATTENTION_KERNELS = ("auto", "triton", "ws")
+WS_HEAD_DIMS = (32, 64, 128)  # head sizes the warp-specialised kernel is built for
 
 
 @functools.cache
 def warp_specialized_attention_runs(device_index: int) -> bool:
-    """A Hopper GPU (sm_90) and a Triton with Gluon's Hopper ops; probed once per device, logged once."""
+    """A Hopper GPU (sm_90) and a Triton with Gluon's Hopper ops; probed once per device."""
     capability = torch.cuda.get_device_capability(device_index)
     if capability[0] != 9:
-        log.info("FP8 attention: Triton kernel (warp-specialised kernel is for Hopper, this GPU is sm_%d%d)", *capability)
+        log.info("warp-specialised FP8 attention off: it is for Hopper, this GPU is sm_%d%d", *capability)
         return False
     try:
         from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
     except Exception as e:  # an older Triton
-        log.info("FP8 attention: Triton kernel (Gluon's Hopper ops not importable: %s)", e)
+        log.info("warp-specialised FP8 attention off: Gluon's Hopper ops not importable (%s)", e)
         return False
-    log.info("FP8 attention: warp-specialised Hopper kernel")
+    log.info("warp-specialised FP8 attention available (%s)", torch.cuda.get_device_name(device_index))
     return True
 
 
-def attention_kernel(kernel: str, device: torch.device) -> str:
-    """`kernel` (one of ATTENTION_KERNELS) resolved for `device`: "triton" or "ws"."""
+def attention_kernel(kernel: str, device: torch.device, head_dim: int) -> str:
+    """`kernel` (one of ATTENTION_KERNELS) resolved for `device` and `head_dim`: "triton" or "ws"."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
-    on_hopper = device.type == "cuda" and warp_specialized_attention_runs(device.index or 0)
-    if kernel == "ws" and not on_hopper:
-        raise ValueError("the ws attention kernel needs a Hopper GPU (sm_90) and Triton with Gluon; use triton")
-    if kernel == "auto":
-        return "ws" if on_hopper else "triton"
-    return kernel
+    if kernel == "triton":
+        return kernel
+    runs = device.type == "cuda" and head_dim in WS_HEAD_DIMS and warp_specialized_attention_runs(device.index or 0)
+    if kernel == "ws" and not runs:
+        raise ValueError(f"the ws attention kernel needs a Hopper GPU (sm_90), Triton with Gluon and a head size in "
+                         f"{WS_HEAD_DIMS} (here: {device}, head size {head_dim}); use triton")
+    return "ws" if runs else "triton"
