@@ -263,6 +263,34 @@ def power_summary(name: str) -> str | None:
             f"down in {capped / len(busy):.0%} of these samples.")
 
 
+def ncu_summary(name: str) -> str | None:
+    """What Nsight Compute saw in one call of the warp-specialised attention kernel."""
+    path = RESULTS / name
+    if not path.is_file():
+        return None
+    import re
+
+    text = path.read_text()
+
+    def metric(pattern: str) -> str | None:
+        m = re.search(pattern, text)
+        return m.group(1) if m else None
+
+    found = {key: metric(pattern) for key, pattern in (
+        ("clock", r"SM Frequency\s+Ghz\s+([\d.]+)"), ("us", r"Duration\s+us\s+([\d.]+)"),
+        ("busy", r"Issue Slots Busy\s+%\s+([\d.]+)"), ("idle", r"No Eligible\s+%\s+([\d.]+)"),
+        ("tensor", r"Tensor is the highest-utilized pipeline \(([\d.]+)%\)"),
+        ("barrier", r"This stall type represents about ([\d.]+)% of the total"))}
+    if None in found.values():
+        return None
+    return (f"Nsight Compute on one call of the warp-specialised kernel (64x128, 3 stages; `bash tools/gpu_suite.sh attention-ncu`, "
+            f"output `docs/results/{name}`; profiled at the tool's locked {found['clock']} GHz, so {found['us']} us): the tensor "
+            f"pipe busy {found['tensor']}% of the time, instructions issued in {found['busy']}% of scheduler cycles, no warp "
+            f"ready to issue in {found['idle']}%; the stall it singles out is warps waiting at a warpgroup barrier ({found['barrier']}% "
+            "of stall cycles; Gluon syncs the warpgroup before each barrier arrive). Profiled before the tile-flag loads were "
+            "issued ahead of the products, which measured the same.")
+
+
 def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
     """Kernel time of one eager serving step, grouped."""
     if not prof:
@@ -445,6 +473,9 @@ def main() -> None:
         if found:
             out += [f"Of the {len(att['configs'])} configurations swept, the fastest with each option: "
                     + "; ".join(f"{label} {us:.1f} us" for label, us in found) + ".", ""]
+        ncu = ncu_summary("ncu_attention_ws_h200.txt")
+        if ncu:
+            out += [ncu, ""]
         ws = [c for c in att["configs"] if c.get("kernel") == "ws" and "us" in c]
         if ws:
             out += ["The warp-specialised kernel (`engine/kernels/fp8_attention_ws.py`: a producer warp streams K and Vᵀ "
