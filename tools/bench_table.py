@@ -471,7 +471,8 @@ def main() -> None:
         found = [(label, min(c["us"] for c in att["configs"] if test(c)))
                  for _, test, label in options if any(test(c) for c in att["configs"])]
         if found:
-            out += [f"Of the {len(att['configs'])} configurations swept, the fastest with each option: "
+            triton_configs = [c for c in att["configs"] if c.get("kernel", "triton") == "triton"]
+            out += [f"Of the {len(triton_configs)} Triton-kernel configurations swept, the fastest with each option: "
                     + "; ".join(f"{label} {us:.1f} us" for label, us in found) + ".", ""]
         ncu = ncu_summary("ncu_attention_ws_h200.txt")
         if ncu:
