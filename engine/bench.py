@@ -293,34 +293,30 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         torch.cuda.empty_cache()
         model = random_shard(full, tp, device, dtype, fp8_gemms=fast, branch_streams=branch_streams, fast_accum=fast_accum)
         torch.cuda.reset_peak_memory_stats(device)
-        serving = lambda: EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True,
-                                        attention_options=attention_options)
+        serving = lambda options=attention_options: EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton",
+                                                                  cuda_graph=True, attention_options=options)
         session = serving() if fast else EngineSession(model, cache="reference")
         session.start(ref_latent)
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast)
         out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
-        if fast:  # the same weights with one setting flipped (a fresh session each: its own graph)
+
+        def median_step_ms(other: EngineSession) -> float:  # a fresh session on the same weights: its own graph
+            other.start(ref_latent)
+            return statistics.median(_timed_steps(other, audio, steps, warmup, device, resets=False)[0])
+
+        if fast:  # the same weights with one setting flipped
             from engine.kernels.fp8_linear import BLOCK_LINEARS
 
             linears = [getattr(b, n) for b in model.blocks for n in BLOCK_LINEARS]
             for name, on, objects in (("branch_streams", branch_streams, model.blocks), ("fast_accum", fast_accum, linears)):
                 for o in objects:
                     setattr(o, name, not on)
-                other = serving()
-                other.start(ref_latent)
-                key = f"step_ms_{'without' if on else 'with'}_{name}"
-                out[key] = statistics.median(_timed_steps(other, audio, steps, warmup, device, resets=False)[0])
+                out[f"step_ms_{'without' if on else 'with'}_{name}"] = median_step_ms(serving())
                 for o in objects:
                     setattr(o, name, on)
-                del other
             out["attention_kernel"] = session.cache.attention_kernel
             if session.cache.attention_kernel == "ws":  # and with the Triton FP8 attention kernel instead
-                other = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True,
-                                      attention_options={"kernel": "triton"})
-                other.start(ref_latent)
-                out["step_ms_with_triton_attention"] = statistics.median(
-                    _timed_steps(other, audio, steps, warmup, device, resets=False)[0])
-                del other
+                out["step_ms_with_triton_attention"] = median_step_ms(serving({"kernel": "triton"}))
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
         out["gemm_ms"] = time_part(_gemms_of_a_step(model, full, device, dtype))
@@ -455,13 +451,10 @@ def bench_step_group(spec_name: str, world: int, steps: int, warmup: int) -> dic
 @torch.no_grad()
 def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int) -> dict:
     """One attention call at the production shape: FP8 kernel configurations vs SDPA in bf16."""
-    from engine.kernels import attention_kernel
-    from engine.kernels.fp8_attention import FP8Attention, attention_reference, qk_scale
+    from engine.kernels import attention_kernel, make_attention
+    from engine.kernels.fp8_attention import attention_reference, qk_scale
 
     spec = shard_spec(get_spec(spec_name), tp)
-    ws = attention_kernel("auto", device, spec.head_dim) == "ws"
-    if ws:
-        from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
     H, M, D = spec.n_heads, spec.frame_tokens, spec.head_dim
     S = -(-spec.cache_slots // 64) * 64  # as the ring stores them; the padding is masked
     g = torch.Generator(device=device).manual_seed(0)
@@ -492,7 +485,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     # an e4m3 P must first be shuffled into the layout of an FP8 operand.
     sweep += [dict(block_m=64, block_n=bn, num_warps=4, num_stages=3, splits=1, exp2="mufu", pv_fp8=False) for bn in (64, 128)]
     sweep = [{"kernel": "triton", **o} for o in sweep]
-    if ws:  # the warp-specialised Hopper kernel: tile shapes, pipeline depths
+    if attention_kernel("auto", device, D) == "ws":  # the warp-specialised Hopper kernel: tile shapes, pipeline depths
         sweep += [dict(kernel="ws", block_m=64, block_n=bn, stages=st) for bn, st in ((128, 2), (128, 3), (64, 3), (64, 4))]
         sweep += [dict(kernel="ws", block_m=128, block_n=128, stages=2)]
     for opts in sweep:
@@ -500,7 +493,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
             opts = {"pv_fp8": True, **opts, "warp_specialize": False}
         try:
             options = {k: v for k, v in opts.items() if k != "kernel"}
-            att = (FP8Attention if opts["kernel"] == "triton" else WarpSpecializedFP8Attention)(H, M, S, D, device, **options)
+            att = make_attention(opts["kernel"], H, M, S, D, device, **options)
             att.mark_live_tiles(valid)
             fn = lambda: att(q8, k8, vt8, valid, qks, scale, out)
             ms = event_ms(fn, device, repeats)

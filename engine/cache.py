@@ -141,8 +141,8 @@ class RingKVCache:
             self._init_triton(q_gains, attention_options or {})
 
     def _init_triton(self, q_gains: list[torch.Tensor] | None, attention_options: dict) -> None:
-        from engine.kernels import attention_kernel
-        from engine.kernels.fp8_attention import FP8Attention, qk_scale
+        from engine.kernels import attention_kernel, make_attention
+        from engine.kernels.fp8_attention import qk_scale
 
         s, H, D = self.spec, self.n_heads, self.spec.head_dim
         if self.kv_dtype != "fp8" or q_gains is None:
@@ -171,11 +171,7 @@ class RingKVCache:
         if kernel == "auto" and options:  # tile options differ between the kernels
             raise ValueError(f"attention options {sorted(options)} need the kernel they are for: add \"kernel\": \"triton\" or \"ws\"")
         self.attention_kernel = attention_kernel(kernel, self.device, D)
-        if self.attention_kernel == "ws":  # the warp-specialised Hopper kernel (Gluon)
-            from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention as attention_class
-        else:
-            attention_class = FP8Attention
-        self.attention = attention_class(H, s.frame_tokens, self.k.shape[2], D, self.device, **options)
+        self.attention = make_attention(self.attention_kernel, H, s.frame_tokens, self.k.shape[2], D, self.device, **options)
         self.rotate_window(count=False)  # compiles the rotation now (zeros stay zeros), not in the first reset step
 
     # Storage helpers ----------------------------------------------------------

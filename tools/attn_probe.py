@@ -13,8 +13,8 @@ import torch
 
 from engine import fp8
 from engine.bench import event_ms
-from engine.kernels.fp8_attention import FP8Attention, _attn_kernel, attention_reference, qk_scale
-from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
+from engine.kernels import make_attention
+from engine.kernels.fp8_attention import _attn_kernel, attention_reference, qk_scale
 
 dev = torch.device("cuda")
 H, M, S, D = 20, 757, 5824, 128
@@ -45,7 +45,7 @@ for opts in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
     try:
         opts = dict(opts)
         kernel = opts.pop("kernel", "triton")
-        att = (WarpSpecializedFP8Attention if kernel == "ws" else FP8Attention)(H, M, S, D, dev, **opts)
+        att = make_attention(kernel, H, M, S, D, dev, **opts)
         att.mark_live_tiles(valid)
         before = compiled()
         fn = lambda: att(q8, k8, vt8, valid, qks, sc, out)

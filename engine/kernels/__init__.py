@@ -89,3 +89,12 @@ def attention_kernel(kernel: str, device: torch.device, head_dim: int) -> str:
         raise ValueError(f"the ws attention kernel needs a Hopper GPU (sm_90), Triton with Gluon and a head size in "
                          f"{WS_HEAD_DIMS} (here: {device}, head size {head_dim}); use triton")
     return "ws" if runs else "triton"
+
+
+def make_attention(kernel: str, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device, **options):
+    """The launcher of a resolved attention kernel ("triton" or "ws") with that kernel's tile options."""
+    if kernel == "ws":
+        from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention as launcher
+    else:
+        from engine.kernels.fp8_attention import FP8Attention as launcher
+    return launcher(n_heads, n_queries, n_slots, head_dim, device, **options)
