@@ -30,3 +30,9 @@ def run_session(model, steps: int, *, audio_seed: int = 7, seed: int = 5, **sess
         session.push_audio_features(torch.randn(spec.frames_per_latent, spec.n_mels, generator=g))
         out.append(session.step())
     return torch.stack(out)
+
+
+def rms_heads(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Gaussian vectors scaled to unit RMS along the last axis (head-normed q, k or v)."""
+    x = torch.randn(*shape, generator=g)
+    return x / x.pow(2).mean(-1, keepdim=True).sqrt()

@@ -21,6 +21,7 @@ from engine import fp8  # noqa: E402
 from engine.kernels import attention_kernel  # noqa: E402
 from engine.kernels.fp8_attention import attention_reference, qk_scale  # noqa: E402
 from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention, compile_for_hopper  # noqa: E402
+from tests.helpers import rms_heads  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -99,7 +100,7 @@ def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S
     the mask; unmarked, every tile is masked."""
     g = torch.Generator().manual_seed(1)
     H, M, dev = 3, 70, torch.device("cuda")
-    rms = lambda *shape: (lambda x: x / x.pow(2).mean(-1, keepdim=True).sqrt())(torch.randn(*shape, generator=g)).to(dev)
+    rms = lambda *shape: rms_heads(g, *shape).to(dev)
     scale = fp8.per_head_scale(torch.rand(H, D, generator=g).to(dev) + 0.5)
     q8, k8 = fp8.quantize(rms(H, M, D), scale), fp8.quantize(rms(H, S, D), scale)
     vt8 = fp8.quantize(rms(H, S, D), scale).transpose(1, 2).contiguous()

@@ -6,7 +6,7 @@ import torch
 from engine import fp8
 from engine.cache import RingKVCache
 from engine.rope import apply_rope, cos_sin, temporal_delta_angles
-from tests.helpers import TINY, run_session, tiny_model
+from tests.helpers import TINY, rms_heads, run_session, tiny_model
 
 # tiny: window of 3 frames, position reset every 5 steps; 14 steps = 4 windows and 2 resets.
 STEPS = 14
@@ -47,15 +47,10 @@ def test_fp8_cache_error_is_bounded(model, reference):
     assert 0 < rel <= 2e-3
 
 
-def _rms_heads(g, h, n, d):
-    k = torch.randn(h, n, d, generator=g)
-    return k / k.pow(2).mean(-1, keepdim=True).sqrt()
-
-
 def test_fp8_delta_rotation_agrees_with_requantising_fresh_keys():
     g = torch.Generator().manual_seed(0)
     gain = torch.rand(TINY.n_heads, TINY.head_dim, generator=g) + 0.5
-    k = _rms_heads(g, TINY.n_heads, 600, TINY.head_dim) * gain.unsqueeze(1)
+    k = rms_heads(g, TINY.n_heads, 600, TINY.head_dim) * gain.unsqueeze(1)
     scale = fp8.per_head_scale(gain)
     at = lambda p: cos_sin(temporal_delta_angles(TINY, p), torch.float32, "cpu")
     stored = fp8.quantize(apply_rope(k, *at(40.0)), scale)
@@ -76,11 +71,11 @@ def test_long_session_reference_keys_stay_fresh():
     g = torch.Generator().manual_seed(1)
     gains = [torch.rand(spec.n_heads, spec.head_dim, generator=g) + 0.5 for _ in range(spec.n_blocks)]
     cache = RingKVCache(spec, gains, gains, kv_dtype="fp8")
-    sink_master = [_rms_heads(g, spec.n_heads, spec.reference_tokens, spec.head_dim) * gn.unsqueeze(1) for gn in gains]
+    sink_master = [rms_heads(g, spec.n_heads, spec.reference_tokens, spec.head_dim) * gn.unsqueeze(1) for gn in gains]
     for layer in range(spec.n_blocks):
         q = torch.zeros_like(sink_master[layer])
         cache.reference_attend(layer, q, sink_master[layer], sink_master[layer])
-    frame = _rms_heads(g, spec.n_heads, spec.frame_tokens, spec.head_dim)
+    frame = rms_heads(g, spec.n_heads, spec.frame_tokens, spec.head_dim)
     for t in range(3600):
         cache.begin_step(t)
         for layer in range(spec.n_blocks):
@@ -109,7 +104,7 @@ def test_repeated_requantising_rotation_would_drift():
     # Why the sink is re-derived: rotating FP8 keys again and again compounds rounding.
     g = torch.Generator().manual_seed(2)
     gain = torch.ones(TINY.n_heads, TINY.head_dim)
-    k = _rms_heads(g, TINY.n_heads, 64, TINY.head_dim)
+    k = rms_heads(g, TINY.n_heads, 64, TINY.head_dim)
     scale = fp8.per_head_scale(gain)
     cos, sin = cos_sin(temporal_delta_angles(TINY, -5.0), torch.float32, "cpu")
     q = fp8.quantize(k, scale)

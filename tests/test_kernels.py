@@ -16,16 +16,11 @@ from engine import fp8  # noqa: E402
 from engine.cache import RingKVCache  # noqa: E402
 from engine.kernels.fp8_attention import FP8Attention, _exp2_fma, attention_reference, qk_scale  # noqa: E402
 from engine.kernels.fp8_linear import FP8Linear, quantize_rows, quantize_rows_reference  # noqa: E402
-from tests.helpers import TINY, run_session  # noqa: E402
+from tests.helpers import TINY, rms_heads, run_session  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # The GPU's tensor cores need head_dim >= 16 and real tile sizes; the interpreter runs anything.
 SPEC = TINY if DEVICE.type == "cpu" else TINY.with_(dim=256, n_heads=4, latent_grid=(8, 8), reference_grid=(8, 8), sink_slots=66)
-
-
-def rms_heads(g, *shape):
-    x = torch.randn(*shape, generator=g)
-    return x / x.pow(2).mean(-1, keepdim=True).sqrt()
 
 
 def close_fp8(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> None:
