@@ -209,7 +209,8 @@ class RingKVCache:
         if self.backend == "triton":
             self.pos_idx.fill_(self.position - self.spec.sink_distance)
             self.slot.fill_(self.frame_slot(step))
-            self.attention.mark_live_tiles(self.valid)
+            if step <= self.spec.window_frames:  # once the window has filled, no slot turns live any more
+                self.attention.mark_live_tiles(self.valid)
         self.write_sink_keys()
 
     def rotate_window(self, count: bool = True) -> None:
