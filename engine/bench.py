@@ -207,8 +207,9 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
     return run
 
 
-def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor) -> Callable[[], None]:
-    """One step of the triton ring's upkeep: the sink re-derived once, then a frame write per attention call."""
+def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor, head_norm=None) -> Callable[[], None]:
+    """One step of the triton ring's upkeep: the sink re-derived once, then a frame write per attention call
+    (with `head_norm`, applying the q, k, v head norms as the serving block has it do)."""
     from engine.kernels.rope_write import rope_store, write_frame
 
     L, H, S, D = cache.k.shape
@@ -220,7 +221,7 @@ def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor) -> Call
             for layer in range(L):
                 write_frame(q, q, q, cache._frame_cos, cache._frame_sin, cache.pos_idx, cache.slot, cache.q8,
                             cache.k[layer], cache.vt[layer], cache.valid, cache.q_scale[layer],
-                            cache.k_scale[layer], cache.v_scale[layer])
+                            cache.k_scale[layer], cache.v_scale[layer], head_norm=head_norm)
 
     return upkeep
 
@@ -327,7 +328,10 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             from engine.kernels.rope_write import delta_rotate
 
             L, Hh, S, _ = cache.k.shape
-            upkeep = _triton_upkeep(cache, full, q)
+            from engine.kernels.fused_block import _stacked_gains
+
+            b0 = model.blocks[0]
+            upkeep = _triton_upkeep(cache, full, q, head_norm=(_stacked_gains(b0), b0.q_norm.eps))
 
             def attend() -> None:
                 for _ in range(full.passes):

@@ -1,7 +1,8 @@
 """KV caches: the ring (the serving path) and the plain reference (the oracle).
 
-Both give the model the same `attend(layer, q, k, v)` and `reference_attend(...)`,
-take un-rotated per-head q, k, v (H, N, D) of the newest frame, and agree on what
+Both give the model the same `attend(layer, q, k, v, head_norm=None)` and
+`reference_attend(...)`, take un-rotated per-head q, k, v (H, N, D) of the newest frame
+(raw projections with their norm gains when `head_norm` is given), and agree on what
 a frame sees: the reference sink, the previous `window_frames - 1` frames and the
 frame itself. Every pass of a step rewrites the newest frame's K/V, so the last
 pass's K/V is what later frames read.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from engine import fp8
 from engine.config import ModelSpec
+from engine.model import HeadNorm, apply_head_norm
 from engine.rope import (
     apply_rope,
     cos_sin,
@@ -188,8 +190,10 @@ class RingKVCache:
         return self.spec.sink_slots + (step % self.spec.window_frames) * self.spec.frame_tokens
 
     # Session lifecycle ---------------------------------------------------------
-    def reference_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def reference_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         head_norm: HeadNorm | None = None) -> torch.Tensor:
         """Reference tokens attend among themselves; their K (un-rotated) and V become the sink."""
+        q, k, v = apply_head_norm(q, k, v, head_norm)
         n = self.spec.reference_tokens
         self.sink_k[layer] = k.float()
         self.vt[layer, :, :, :n] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
@@ -276,9 +280,11 @@ class RingKVCache:
     def _frame_cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.frame(float(self.position))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               head_norm: HeadNorm | None = None) -> torch.Tensor:
         if self.backend == "triton":
-            return self._attend_triton(layer, q, k, v)
+            return self._attend_triton(layer, q, k, v, head_norm)
+        q, k, v = apply_head_norm(q, k, v, head_norm)
         self.write(layer, k, v)
         cos, sin = self._frame_cos_sin()
         # SDPA takes its fused kernels only without a mask and with V's rows contiguous (the ring
@@ -287,11 +293,13 @@ class RingKVCache:
         k_all, v_all = self.read(layer, q.dtype, live)
         return attention(apply_rope(q, cos, sin), k_all, v_all.contiguous(), None if live is not None else self.valid.bool())
 
-    def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       head_norm: HeadNorm | None = None) -> torch.Tensor:
         from engine.kernels.rope_write import write_frame
 
         write_frame(q, k, v, self._frame_cos, self._frame_sin, self.pos_idx, self.slot, self.q8,
-                    self.k[layer], self.vt[layer], self.valid, self.q_scale[layer], self.k_scale[layer], self.v_scale[layer])
+                    self.k[layer], self.vt[layer], self.valid, self.q_scale[layer], self.k_scale[layer], self.v_scale[layer],
+                    head_norm=head_norm)
         self.attention(self.q8, self.k[layer], self.vt[layer], self.valid, self.qk_scale[layer], self.v_scale[layer], self.out)
         H, D = self.n_heads, self.spec.head_dim
         return self.out.view(-1, H, D).transpose(0, 1).to(q.dtype)  # (H, F, D) view of (F, H*D)
@@ -315,7 +323,9 @@ class ReferenceKVCache:
     def position(self, step: int) -> int:
         return self.spec.sink_distance + step
 
-    def reference_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def reference_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         head_norm: HeadNorm | None = None) -> torch.Tensor:
+        q, k, v = apply_head_norm(q, k, v, head_norm)
         self.sink[layer] = (k, v)
         return reference_self_attention(self.rope, q, k, v)
 
@@ -338,7 +348,9 @@ class ReferenceKVCache:
         values.append(v)
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               head_norm: HeadNorm | None = None) -> torch.Tensor:
+        q, k, v = apply_head_norm(q, k, v, head_norm)
         self.pending[layer] = (k, v)
         k_all, v_all = self.gather(layer, k, v)
         q = apply_rope(q, *self.rope.frame(float(self.position(self.step))))

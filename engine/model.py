@@ -8,13 +8,17 @@ all-reduce. Timestep conditioning is adaLN modulation (shift, scale and two gate
 from a shared time projection plus a per-block table.
 
 The model is single-device and batch-free (one session); attention is delegated to
-an `attend(layer, q, k, v)` callable so the KV cache (ring or reference) owns
-positions, storage and the attention kernel.
+an `attend(layer, q, k, v, head_norm=None)` callable so the KV cache (ring or
+reference) owns positions, storage and the attention kernel. With `head_norm` (the q, k,
+v norm gains stacked (3, H, D) and eps), q, k, v are the block's raw projections and the
+attend applies the per-head RMS norms itself: the FP8 ring cache does it inside the
+kernel that rotates, quantises and stores them, saving a pass over q, k and v.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable
 
 import torch
@@ -23,7 +27,24 @@ from torch import nn
 
 from engine.config import ModelSpec
 
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attend = Callable[..., torch.Tensor]  # (layer, q, k, v, head_norm=None) -> (H, N, D)
+HeadNorm = tuple[torch.Tensor, float]  # (q, k, v norm gains stacked (3, H, D), eps)
+
+
+def head_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head's dims with gain (H, D): x (..., H, N, D), computed in float32."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * gain.float().unsqueeze(-2)).to(x.dtype)
+
+
+def apply_head_norm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    head_norm: HeadNorm | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an attend does first when handed raw q, k, v with their norm gains; identity without."""
+    if head_norm is None:
+        return q, k, v
+    gains, eps = head_norm
+    return tuple(head_rms_norm(x, g, eps) for x, g in zip((q, k, v), gains.unbind(0)))
 
 
 class HeadRMSNorm(nn.Module):
@@ -38,9 +59,7 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(n_heads, head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., H, N, D)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float().unsqueeze(-2)).to(x.dtype)
+        return head_rms_norm(x, self.weight, self.eps)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +183,7 @@ class CausalVideoDiT(nn.Module):
     def run_blocks(self, x: torch.Tensor, noise_level: torch.Tensor, attend: Attend) -> torch.Tensor:
         mod, head_mod = self.time_modulation(noise_level)
         for i, block in enumerate(self.blocks):
-            x = block(x, mod, lambda q, k, v, i=i: attend(i, q, k, v))
+            x = block(x, mod, partial(attend, i))
         shift, scale = head_mod.unbind(0)
         return self.head(modulate(self.head_norm(x), shift, scale))
 

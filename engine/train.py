@@ -48,7 +48,7 @@ from engine import character as ch
 from engine.audio import SAMPLE_RATE, log_mel_frames, resample, silence_features
 from engine.codec import TrainedCodec, build_codec, codec_path, load_codec, save_codec
 from engine.config import SPECS, ModelSpec, get_spec
-from engine.model import CausalVideoDiT, build_model
+from engine.model import CausalVideoDiT, HeadNorm, apply_head_norm, build_model
 from engine.rope import apply_rope, cos_sin, frame_positions, reference_positions, rope_angles
 from engine.session import noise_levels
 from engine.weights import ASSETS, pick_device, save_checkpoint, sha256_of
@@ -514,7 +514,9 @@ class TeacherForcingAttention:
         k_flag[..., 1] = torch.where(mask[:, F_], 0.0, -big)
         self.q_flag, self.k_flag = q_flag.to(device, dtype), k_flag.to(device, dtype)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 head_norm: HeadNorm | None = None) -> torch.Tensor:
+        q, k, v = apply_head_norm(q, k, v, head_norm)
         s, T = self.spec, self.T
         F_, R, W, H = s.frame_tokens, s.reference_tokens, s.window_frames, s.n_heads
         B, _, N, D = q.shape  # (B, H, N, D)

@@ -238,20 +238,28 @@ def test_ln_modulate_quant_matches_float_reference():
     close_fp8(h8, r8, rs)
 
 
-def test_qkv_head_norm_matches_the_model_norms():
-    from engine.kernels.fused_block import qkv_head_norm
-    from engine.model import HeadRMSNorm
+def test_frame_write_applies_the_head_norms_it_is_given():
+    """Raw q, k, v (views of one QKV output) with their norm gains land in the cache as the normed ones do."""
+    from engine.model import apply_head_norm
+    from engine.rope import apply_rope
 
     g = torch.Generator().manual_seed(5)
-    H, D, N = 3, SPEC.head_dim, 41
-    norms = [HeadRMSNorm(H, D).to(DEVICE) for _ in range(3)]
-    for n in norms:
-        n.weight.data = (torch.rand(H, D, generator=g) + 0.5).to(DEVICE)
-    qkv = torch.randn(N, 3 * H * D, generator=g).to(DEVICE)
-    fused = qkv_head_norm(qkv, torch.stack([n.weight for n in norms]))
-    split = qkv.unflatten(-1, (3, H, D)).permute(1, 2, 0, 3)
-    for i in range(3):
-        assert torch.allclose(fused[i], norms[i](split[i]), atol=1e-5)
+    H, D, F, L = SPEC.n_heads, SPEC.head_dim, SPEC.frame_tokens, SPEC.n_blocks
+    gains = (torch.rand(3, H, D, generator=g) + 0.5).to(DEVICE)
+    kw = dict(q_gains=[gains[0]] * L, kv_dtype="fp8", reset_every=5, device=DEVICE)
+    ref, fast = (RingKVCache(SPEC, [gains[1]] * L, [gains[2]] * L, backend=b, **kw) for b in ("torch", "triton"))
+    for c in (ref, fast):
+        c.begin_step(0)
+    qkv = (torch.randn(F, 3 * H * D, generator=g) * 3 + 0.5).to(DEVICE)
+    raw = qkv.view(F, 3, H, D).permute(1, 2, 0, 3).unbind(0)  # strided (H, F, D) views, as the fused block passes them
+    fast._attend_triton(0, *raw, head_norm=(gains, 1e-6))
+    q, k, v = apply_head_norm(*raw, (gains, 1e-6))
+    ref.write(0, k, v)
+    close_fp8(fast.k[0], ref.k[0], ref.k_scale[0])
+    close_fp8(fast.vt[0], ref.vt[0], ref.v_scale[0])
+    close_fp8(fast.q8, fp8.quantize(apply_rope(q, *ref._frame_cos_sin()), fast.q_scale[0]), fast.q_scale[0])
+    # the norms did something: the raw keys quantise differently
+    assert not torch.equal(fast.k[0], fp8.quantize(apply_rope(raw[1], *ref._frame_cos_sin()), fast.k_scale[0]))
 
 
 def test_swiglu_quant_and_gated_sum_match_float_reference():
@@ -282,8 +290,9 @@ def test_fused_block_tracks_the_plain_block():
     x = torch.randn(SPEC.frame_tokens, SPEC.dim, generator=g).to(DEVICE, next(model.parameters()).dtype)
     mod, _ = model.time_modulation(torch.tensor(0.5, device=DEVICE))
     from engine.cache import attention
+    from engine.model import apply_head_norm
 
-    attend = lambda q, k, v: attention(q, k, v)
+    attend = lambda q, k, v, head_norm=None: attention(*apply_head_norm(q, k, v, head_norm))
     with torch.no_grad():
         want = plain.blocks[0](x, mod, attend).float()
         got = fused.blocks[0](x, mod, attend).float()
@@ -306,6 +315,7 @@ def test_branch_streams_give_the_same_block_output_eagerly_and_in_a_cuda_graph()
     import copy
 
     from engine.cache import attention
+    from engine.model import apply_head_norm
     from engine.kernels.fp8_linear import quantize_linears_
 
     model = _model()
@@ -314,7 +324,7 @@ def test_branch_streams_give_the_same_block_output_eagerly_and_in_a_cuda_graph()
     g = torch.Generator().manual_seed(8)
     x = torch.randn(SPEC.frame_tokens, SPEC.dim, generator=g).to(DEVICE, next(model.parameters()).dtype)
     mod, _ = model.time_modulation(torch.tensor(0.5, device=DEVICE))
-    attend = lambda q, k, v: attention(q, k, v)
+    attend = lambda q, k, v, head_norm=None: attention(*apply_head_norm(q, k, v, head_norm))
     run = lambda m: m.blocks[1](m.blocks[0](x, mod, attend), mod, attend)
     with torch.no_grad():
         want = run(inline)

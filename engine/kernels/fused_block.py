@@ -1,12 +1,14 @@
 """A block's elementwise work fused around its FP8 GEMMs (serving path, inference only).
 
-The plain block (engine/model.py) runs ~35 small kernels per pass; this runs 4 of its
+The plain block (engine/model.py) runs ~35 small kernels per pass; this runs 3 of its
 own beside the GEMMs and attention:
 
     ln_modulate_quant   LayerNorm -> (1 + scale), + shift -> per-token FP8, shared by q/k/v and MLP-in
-    qkv_head_norm       the per-head RMS norms of q, k and v in one launch -> (H, N, D) each
     swiglu_quant        silu(gate) * up -> per-token FP8 for MLP-out
     gated_sum           gate_attn * a + gate_mlp * m (+ x when there is no all-reduce between)
+
+The per-head RMS norms of q, k and v go to the attend with their gains (`head_norm`): the
+FP8 ring cache applies them in the kernel that rotates, quantises and stores q, k, v.
 
 Every kernel is held to the plain PyTorch computation in tests/test_kernels.py.
 """
@@ -45,26 +47,6 @@ def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
     _ln_mod_quant_kernel[(N,)](x, shift, scale, h8, sh, K, eps, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
                                num_warps=8 if K >= 4096 else 4)
     return h8, sh
-
-
-@triton.jit
-def _qkv_norm_kernel(qkv, w, out, N, H, eps, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    pid_t, r = tl.program_id(0), tl.program_id(1)  # r = which * H + head, which in (q, k, v)
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, D)
-    m = (tok < N)[:, None]
-    x = tl.load(qkv + tok[:, None] * (3 * H * D) + r * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, 1) / D + eps)[:, None] * tl.load(w + r * D + d)[None, :].to(tl.float32)
-    tl.store(out + r * N * D + tok[:, None] * D + d[None, :], y.to(out.dtype.element_ty), mask=m)
-
-
-def qkv_head_norm(qkv: torch.Tensor, gains: torch.Tensor, eps: float = 1e-6):
-    """qkv (N, 3*H*D) -> RMS-normalised q, k, v, each (H, N, D); gains (3, H, D): q's, k's and v's, stacked."""
-    N = qkv.shape[0]
-    _, H, D = gains.shape
-    out = torch.empty(3, H, N, D, device=qkv.device, dtype=qkv.dtype)
-    _qkv_norm_kernel[(triton.cdiv(N, 32), 3 * H)](qkv, gains.contiguous(), out, N, H, eps, D=D, BLOCK_T=32)
-    return out.unbind(0)
 
 
 @triton.jit
@@ -156,8 +138,9 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
         side.wait_stream(here)
         with torch.cuda.stream(side):
             mlp = mlp_branch()
-    q, k, v = qkv_head_norm(block.qkv.forward_quantized(h8, sh), _stacked_gains(block), block.q_norm.eps)
-    a = attend(q, k, v)  # (H, N, D)
+    H, D = block.q_norm.weight.shape  # heads local to this rank
+    qkv = block.qkv.forward_quantized(h8, sh).view(-1, 3, H, D).permute(1, 2, 0, 3)  # (3, H, N, D) view
+    a = attend(*qkv.unbind(0), head_norm=(_stacked_gains(block), block.q_norm.eps))  # (H, N, D)
     a = block.attn_out(a.transpose(0, 1).flatten(-2))
     if side is not None:
         here.wait_stream(side)  # tensors made on the side stream are used here only after this join

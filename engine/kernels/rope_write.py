@@ -1,6 +1,7 @@
 """Write-time cache kernels: RoPE + FP8 quantisation + ring store, and the reset's delta rotation.
 
-`write_frame`   one launch per attention call: rotates the newest frame's q and k at
+`write_frame`   one launch per attention call: optionally RMS-normalises each head of the
+                raw q, k, v (the block's norms, with their gains), rotates q and k at
                 the current position, quantises q, k, v with per-head scales, stores
                 k and v into the frame's ring slot (v transposed, (H, D, S), as the
                 FP8 attention kernel's second product wants it), q into a buffer, and
@@ -25,13 +26,23 @@ from engine.kernels.common import to_fp8
 
 
 @triton.jit
-def _rope_quant(src, s_tok, tok, t_ok, cos_base, sin_base, D: tl.constexpr, scale, EXACT: tl.constexpr):
+def _load_rows(src, s_tok, tok, t_ok, gain, eps, D: tl.constexpr, NORM: tl.constexpr):
+    """Rows `tok` of src (tokens, D) in float32; with NORM, RMS-normalised with gain (D,)."""
+    d = tl.arange(0, D)
+    x = tl.load(src + tok[:, None] * s_tok + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)  # one contiguous row read
+    if NORM:
+        x = x / tl.sqrt(tl.sum(x * x, 1) / D + eps)[:, None] * tl.load(gain + d)[None, :].to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rope_quant(src, s_tok, tok, t_ok, cos_base, sin_base, D: tl.constexpr, scale, EXACT: tl.constexpr,
+                gain=None, eps=0.0, NORM: tl.constexpr = False):
     """Rows `tok` of src (tokens, D), rotated and quantised: (BLOCK_T, D) e4m3, pairs interleaved as stored."""
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, HALF)
-    d = tl.arange(0, D)
     m = t_ok[:, None]
-    x = tl.load(src + tok[:, None] * s_tok + d[None, :], mask=m, other=0.0).to(tl.float32)  # one contiguous row read
+    x = _load_rows(src, s_tok, tok, t_ok, gain, eps, D, NORM)
     a, b = tl.split(tl.reshape(x, (x.shape[0], HALF, 2)))
     cs = tok[:, None] * HALF + j[None, :]
     c = tl.load(cos_base + cs, mask=m, other=1.0)
@@ -45,8 +56,9 @@ def _write_frame_kernel(
     cos, sin, pos_idx, slot,  # tables (P, F, D/2); device scalars
     q8, k_cache, vt_cache, valid,  # (H, F, D), (H, S, D), (H, D, S), (S,)
     q_scale, k_scale, v_scale,  # (H,)
-    F, S,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr,
+    gains, eps,  # (3, H, D): q, k, v norm gains, read with NORM
+    F, S, H,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr,
 ):
     pid_t, h = tl.program_id(0), tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -55,12 +67,14 @@ def _write_frame_kernel(
     start = tl.load(slot)
     d = tl.arange(0, D)
     m = t_ok[:, None]
-    q_rot = _rope_quant(q + h * s_qh, s_qt, tok, t_ok, cos + table, sin + table, D, tl.load(q_scale + h), EXACT)
+    q_rot = _rope_quant(q + h * s_qh, s_qt, tok, t_ok, cos + table, sin + table, D, tl.load(q_scale + h), EXACT,
+                        gains + h * D, eps, NORM)
     tl.store(q8 + h * F * D + tok[:, None] * D + d[None, :], q_rot, mask=m)
-    k_rot = _rope_quant(k + h * s_kh, s_kt, tok, t_ok, cos + table, sin + table, D, tl.load(k_scale + h), EXACT)
+    k_rot = _rope_quant(k + h * s_kh, s_kt, tok, t_ok, cos + table, sin + table, D, tl.load(k_scale + h), EXACT,
+                        gains + (H + h) * D, eps, NORM)
     tl.store(k_cache + h * S * D + (start + tok)[:, None] * D + d[None, :], k_rot, mask=m)
     # v goes to the transposed cache: store the (D, BLOCK_T) transpose so writes run along slots
-    vv = tl.load(v + h * s_vh + tok[:, None] * s_vt + d[None, :], mask=m, other=0.0).to(tl.float32)
+    vv = _load_rows(v + h * s_vh, s_vt, tok, t_ok, gains + (2 * H + h) * D, eps, D, NORM)
     v8 = tl.trans(to_fp8(vv / tl.load(v_scale + h), EXACT))
     tl.store(vt_cache + h * D * S + d[:, None] * S + (start + tok)[None, :], v8, mask=t_ok[None, :])
     if h == 0:
@@ -70,17 +84,23 @@ def _write_frame_kernel(
 def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pos_idx: torch.Tensor, slot: torch.Tensor, q8: torch.Tensor, k_cache: torch.Tensor,
                 vt_cache: torch.Tensor, valid: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
-                v_scale: torch.Tensor, block_t: int = 64) -> None:
-    """q, k, v (H, F, D) -> q8 (H, F, D), k_cache (H, S, D) and vt_cache (H, D, S) rows/cols at `slot`."""
+                v_scale: torch.Tensor, head_norm: tuple[torch.Tensor, float] | None = None, block_t: int = 64) -> None:
+    """q, k, v (H, F, D) -> q8 (H, F, D), k_cache (H, S, D) and vt_cache (H, D, S) rows/cols at `slot`.
+
+    With `head_norm` ((3, H, D) gains of q, k, v; eps), q, k, v are raw projections (any strides with a
+    contiguous last dim, e.g. views of the (F, 3*H*D) QKV output) and get their per-head RMS norms here."""
     H, F, D = k.shape
     S = k_cache.shape[1]
     for x in (q, k, v):
         assert x.stride(-1) == 1, "q, k, v need a contiguous last dim"
+    gains, eps = head_norm if head_norm is not None else (q_scale, 0.0)  # q_scale: any pointer, unread without NORM
+    if head_norm is not None:
+        assert gains.shape == (3, H, D) and gains.is_contiguous(), "head_norm gains must be a contiguous (3, H, D)"
     grid = (triton.cdiv(F, block_t), H)
     _write_frame_kernel[grid](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos, sin, pos_idx, slot, q8, k_cache, vt_cache, valid, q_scale, k_scale, v_scale, F, S,
-        D=D, BLOCK_T=block_t, EXACT=interpreting(),
+        cos, sin, pos_idx, slot, q8, k_cache, vt_cache, valid, q_scale, k_scale, v_scale, gains, eps, F, S, H,
+        D=D, BLOCK_T=block_t, EXACT=interpreting(), NORM=head_norm is not None,
     )
 
 
