@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -365,6 +366,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         return out
 
     result["serving"] = run_config(True)
+    # Process-wide and read once by torch, so the baseline's bf16 GEMMs run with it too.
+    result["cublaslt_workspace_kib"] = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "torch's default")
     result["baseline"] = run_config(False)
     result["speedup"] = result["baseline"]["step_ms"] / result["serving"]["step_ms"]
     result["ratios"] = {k: result["baseline"][k] / result["serving"][k]

@@ -6,6 +6,8 @@ attention is within 3% (relative L2) of exact attention over the same FP8 cache 
 probabilities are rounded to e4m3 too); FP8 linears within 5% of the float product.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -137,6 +139,15 @@ def test_exp2_on_the_fma_units_is_within_its_stated_error():
     finite = torch.isfinite(x)
     assert ((y[finite].double() - want[finite]).abs() / want[finite]).max().item() < 2e-3
     assert y[~finite].eq(0).all()
+
+
+def test_static_gemm_schedule_is_asked_for_unless_the_user_set_the_workspace(monkeypatch):
+    from engine.kernels.fp8_linear import GEMM_WORKSPACE_ENV, prefer_static_gemm_schedule
+
+    monkeypatch.delenv(GEMM_WORKSPACE_ENV, raising=False)
+    assert prefer_static_gemm_schedule() and os.environ[GEMM_WORKSPACE_ENV] == "0"
+    monkeypatch.setenv(GEMM_WORKSPACE_ENV, "4096")
+    assert not prefer_static_gemm_schedule() and os.environ[GEMM_WORKSPACE_ENV] == "4096"
 
 
 def test_row_quantisation_matches_reference():
@@ -306,6 +317,26 @@ def test_fused_block_tracks_the_plain_block():
     with torch.no_grad():
         block.k_norm.weight.mul_(2)
     assert torch.equal(_stacked_gains(block)[1], block.k_norm.weight)
+
+
+def test_modulation_tables_are_made_once_a_pass_and_follow_changes():
+    from engine.kernels.fused_block import ModulationTables
+
+    model = _model()
+    tables = ModulationTables(model.blocks)
+    mod, _ = model.time_modulation(torch.tensor(0.5, device=DEVICE))
+    first = tables(0, mod)
+    for i, block in enumerate(model.blocks):
+        assert torch.equal(tables(i, mod), mod + block.modulation)
+    assert tables._tables.shape[0] == len(model.blocks) and tables(0, mod).data_ptr() == first.data_ptr()  # one add
+    other, _ = model.time_modulation(torch.tensor(0.25, device=DEVICE))
+    assert torch.equal(tables(1, other), other + model.blocks[1].modulation)  # a new pass's mod: new tables
+    with torch.no_grad():
+        model.blocks[1].modulation.add_(1.0)
+    assert torch.equal(tables(1, other), other + model.blocks[1].modulation)  # an in-place change of a table
+    with torch.no_grad():
+        other.mul_(2.0)
+    assert torch.equal(tables(0, other), other + model.blocks[0].modulation)  # an in-place change of mod
 
 
 @pytest.mark.gpu

@@ -9,6 +9,9 @@ dequantised float matmul, the reference the GPU path is held to.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +20,8 @@ from torch import nn
 from engine import fp8
 from engine.kernels import interpreting
 from engine.kernels.common import to_fp8
+
+log = logging.getLogger("talkloop.kernels")
 
 
 @triton.jit
@@ -82,15 +87,34 @@ class FP8Linear(nn.Module):
 
 
 BLOCK_LINEARS = ("qkv", "attn_out", "mlp_in", "mlp_out")  # the block linears FP8 serves
+GEMM_WORKSPACE_ENV = "CUBLASLT_WORKSPACE_SIZE"  # KiB; torch reads it at its first cuBLASLt call in a process
+
+
+def prefer_static_gemm_schedule() -> bool:
+    """Run cuBLASLt without a workspace, unless the user set its size: its FP8 kernels at the step's
+    shapes then use a static tile schedule instead of a dynamic one whose counter is zeroed by a
+    memset before every call (a graph node, and a launch gap, per GEMM: 960 a step for the 57b
+    shard; on one H200 the step took 2 ms less, docs/benchmarks.md). Torch reads the setting at
+    its first cuBLASLt call in the process, so it must come before any GEMM on the GPU; returns
+    whether this call set it."""
+    if os.environ.get(GEMM_WORKSPACE_ENV) is not None:
+        return False
+    os.environ[GEMM_WORKSPACE_ENV] = "0"
+    log.info("cuBLASLt workspace 0 (%s=0): statically scheduled FP8 GEMMs, no memset per call", GEMM_WORKSPACE_ENV)
+    return True
 
 
 def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False) -> nn.Module:
     """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
     (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention);
     `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only)."""
-    from engine.kernels.fused_block import block_forward
+    from engine.kernels.fused_block import ModulationTables, block_forward
 
-    for block in model.blocks:
+    if any(p.is_cuda for p in model.parameters()):
+        prefer_static_gemm_schedule()
+    tables = ModulationTables(model.blocks)
+    for index, block in enumerate(model.blocks):
+        block.modulation_tables = (tables, index)
         for name in BLOCK_LINEARS:
             if not isinstance(getattr(block, name), FP8Linear):
                 setattr(block, name, FP8Linear(getattr(block, name), fast_accum=fast_accum))

@@ -115,6 +115,34 @@ def _stacked_gains(block) -> torch.Tensor:
     return cached[1]
 
 
+class ModulationTables:
+    """Every block's modulation, the pass's time modulation plus the block's own table, made in one add
+    per pass: (L, 4, dim), computed when the first block of a pass asks and reused by the others (they
+    get the same `mod` object; it is held, so the next pass's cannot take its memory). One launch a pass
+    instead of one a block: in the step's CUDA graph each launch on the critical path also costs a gap
+    of about 2 us."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks = list(blocks)
+        self._stacked: torch.Tensor | None = None
+        self._versions: list[tuple[int, int]] = []
+        self._mod: torch.Tensor | None = None
+        self._mod_version = -1
+        self._tables: torch.Tensor | None = None
+
+    def __call__(self, index: int, mod: torch.Tensor) -> torch.Tensor:
+        """(4, dim): shift, scale, gate_attn, gate_mlp of block `index` for the pass's `mod` (4, dim)."""
+        table = self.blocks[index].modulation
+        if self._stacked is None or self._versions[index] != (table.data_ptr(), table._version):
+            self._stacked = torch.stack([b.modulation.detach() for b in self.blocks])  # (L, 4, dim)
+            self._versions = [(b.modulation.data_ptr(), b.modulation._version) for b in self.blocks]
+            self._mod = None
+        if mod is not self._mod or mod._version != self._mod_version:
+            self._tables = mod + self._stacked
+            self._mod, self._mod_version = mod, mod._version
+        return self._tables[index]
+
+
 def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Tensor:
     """Block.forward for one frame (x (N, dim), mod (4, dim)) with FP8 linears, fused.
 
@@ -123,8 +151,9 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     attention's tail and the small kernels leave idle. CUDA graphs capture both streams. On one
     H200 the 57b shard's step gained 6% at tensor-parallel degree 4 and about 1% at degrees 1 and 3
     (`engine.bench step` times both settings; docs/benchmarks.md)."""
-    # One small add: taking the table inside the two kernels that read it measured slower (more registers, more loads).
-    shift, scale, gate_attn, gate_mlp = (mod + block.modulation).unbind(0)  # rows of a (4, dim) tensor: contiguous
+    # Taking the table inside the two kernels that read it measured slower (more registers, more loads).
+    tables, index = block.modulation_tables
+    shift, scale, gate_attn, gate_mlp = tables(index, mod).unbind(0)  # rows of a (4, dim) tensor: contiguous
     h8, sh = ln_modulate_quant(x, shift, scale, block.norm.eps)
     side = branch_stream(x.device) if block.branch_streams and x.is_cuda else None
     fused_combine = block.fused_combine is not None
