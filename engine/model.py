@@ -91,8 +91,8 @@ class Block(nn.Module):
         self.fused_combine: Callable | None = None
         # With fused_forward on a GPU: the MLP branch on a side stream beside the attention (quantize_linears_ sets it).
         self.branch_streams = False
-        # With fused_forward: (ModulationTables, this block's index), all blocks' modulation in one add a pass.
-        self.modulation_tables: tuple | None = None
+        # With fused_forward: (FusedPass, this block's index), what the fused blocks of a pass share.
+        self.fused_pass: tuple | None = None
 
     def reduce_is_identity(self) -> bool:
         return self.reduce is _identity

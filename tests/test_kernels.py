@@ -289,6 +289,46 @@ def test_swiglu_quant_and_gated_sum_match_float_reference():
     assert torch.allclose(gated_sum(a, m, ga, gm, x), x + ga * a + gm * m, atol=1e-5)
 
 
+def test_gated_sum_ln_quant_equals_the_two_kernels_it_replaces():
+    from engine.kernels.fused_block import gated_sum, gated_sum_ln_quant, ln_modulate_quant
+
+    g = torch.Generator().manual_seed(9)
+    a, m, x = (torch.randn(29, 2100, generator=g).to(DEVICE) for _ in range(3))
+    ga, gm, shift = (torch.randn(2100, generator=g).to(DEVICE) for _ in range(3))
+    scale = torch.randn(2100, generator=g).to(DEVICE) * 0.3
+    y, h8, sh = gated_sum_ln_quant(a, m, ga, gm, x, shift, scale)
+    y_ref = gated_sum(a, m, ga, gm, x)
+    h_ref, s_ref = ln_modulate_quant(y_ref, shift, scale)
+    assert torch.allclose(y, y_ref, atol=1e-5)
+    assert torch.allclose(sh, s_ref, rtol=1e-5)
+    close_fp8(h8, h_ref, s_ref)
+
+
+def test_a_fused_block_hands_the_next_block_its_input():
+    from engine.kernels.fp8_linear import quantize_linears_
+
+    model = quantize_linears_(_model(), fuse=True)
+    shared, _ = model.blocks[0].fused_pass
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(SPEC.frame_tokens, SPEC.dim, generator=g).to(DEVICE, next(model.parameters()).dtype)
+    mod, _ = model.time_modulation(torch.tensor(0.5, device=DEVICE))
+    from engine.cache import attention
+    from engine.model import apply_head_norm
+
+    attend = lambda q, k, v, head_norm=None: attention(*apply_head_norm(q, k, v, head_norm))
+    with torch.no_grad():
+        y0 = model.blocks[0](x, mod, attend)
+        assert shared._handover is not None and shared._handover[0] is y0
+        assert shared.take_over(y0.clone(), mod) is None and shared._handover is None  # another tensor: not taken
+        y1_own = model.blocks[1](y0, mod, attend)  # normalises its input itself
+        model.blocks[0](x, mod, attend)
+        y0_again = shared._handover[0]
+        assert torch.equal(y0_again, y0)
+        y1_handed = model.blocks[1](y0_again, mod, attend)
+    assert shared._handover is None or shared._handover[0] is not y0_again  # taken once
+    assert ((y1_handed.float() - y1_own.float()).norm() / y1_own.float().norm()).item() <= 1e-3
+
+
 def test_fused_block_tracks_the_plain_block():
     import copy
 
@@ -320,15 +360,15 @@ def test_fused_block_tracks_the_plain_block():
 
 
 def test_modulation_tables_are_made_once_a_pass_and_follow_changes():
-    from engine.kernels.fused_block import ModulationTables
+    from engine.kernels.fused_block import FusedPass
 
     model = _model()
-    tables = ModulationTables(model.blocks)
+    tables = FusedPass(model.blocks).modulation
     mod, _ = model.time_modulation(torch.tensor(0.5, device=DEVICE))
     first = tables(0, mod)
     for i, block in enumerate(model.blocks):
         assert torch.equal(tables(i, mod), mod + block.modulation)
-    assert tables._tables.shape[0] == len(model.blocks) and tables(0, mod).data_ptr() == first.data_ptr()  # one add
+    assert tables(0, mod).data_ptr() == first.data_ptr()  # the same (L, 4, dim) tensor: one add
     other, _ = model.time_modulation(torch.tensor(0.25, device=DEVICE))
     assert torch.equal(tables(1, other), other + model.blocks[1].modulation)  # a new pass's mod: new tables
     with torch.no_grad():

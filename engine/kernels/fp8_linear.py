@@ -108,13 +108,13 @@ def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool 
     """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
     (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention);
     `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only)."""
-    from engine.kernels.fused_block import ModulationTables, block_forward
+    from engine.kernels.fused_block import FusedPass, block_forward
 
     if any(p.is_cuda for p in model.parameters()):
         prefer_static_gemm_schedule()
-    tables = ModulationTables(model.blocks)
+    shared = FusedPass(model.blocks)
     for index, block in enumerate(model.blocks):
-        block.modulation_tables = (tables, index)
+        block.fused_pass = (shared, index)
         for name in BLOCK_LINEARS:
             if not isinstance(getattr(block, name), FP8Linear):
                 setattr(block, name, FP8Linear(getattr(block, name), fast_accum=fast_accum))

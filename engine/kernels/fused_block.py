@@ -7,6 +7,9 @@ own beside the GEMMs and attention:
     swiglu_quant        silu(gate) * up -> per-token FP8 for MLP-out
     gated_sum           gate_attn * a + gate_mlp * m (+ x when there is no all-reduce between)
 
+and where no all-reduce sits between blocks, `gated_sum_ln_quant` makes a block's residual
+and the next block's FP8 input in one pass, so the next block skips its `ln_modulate_quant`.
+
 The per-head RMS norms of q, k and v go to the attend with their gains (`head_norm`): the
 FP8 ring cache applies them in the kernel that rotates, quantises and stores q, k, v.
 
@@ -94,6 +97,39 @@ def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: to
     return y
 
 
+@triton.jit
+def _gated_sum_ln_quant_kernel(a, m, ga, gm, x, y, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_K)
+    ok = c < K
+    out = (tl.load(ga + c, mask=ok, other=0.0).to(tl.float32) * tl.load(a + row * K + c, mask=ok, other=0.0).to(tl.float32)
+           + tl.load(gm + c, mask=ok, other=0.0).to(tl.float32) * tl.load(m + row * K + c, mask=ok, other=0.0).to(tl.float32))
+    out += tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
+    out = out.to(y.dtype.element_ty)
+    tl.store(y + row * K + c, out, mask=ok)
+    v = out.to(tl.float32)  # the next block's LayerNorm reads the residual as stored
+    mean = tl.sum(v, 0) / K
+    diff = tl.where(ok, v - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, 0) / K + eps)
+    h = diff * rstd * (1.0 + tl.load(scale + c, mask=ok, other=0.0).to(tl.float32)) + tl.load(shift + c, mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(tl.where(ok, h, 0.0)), 0), 1e-12) / 448.0
+    tl.store(h8 + row * K + c, to_fp8(h / s, EXACT), mask=ok)
+    tl.store(sh + row, s)
+
+
+def gated_sum_ln_quant(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor,
+                       shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
+    """y = x + gate_a * a + gate_m * m (N, K), and what ln_modulate_quant(y, shift, scale) gives, in one pass:
+    the residual of one block and the next block's FP8 input. Returns y, its FP8 (N, K) and scales (N, 1)."""
+    N, K = a.shape
+    y = torch.empty_like(x)
+    h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
+    sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
+    _gated_sum_ln_quant_kernel[(N,)](a, m, gate_a, gate_m, x, y, shift, scale, h8, sh, K, eps,
+                                     BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(), num_warps=8 if K >= 4096 else 4)
+    return y, h8, sh
+
+
 _branch_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -115,12 +151,17 @@ def _stacked_gains(block) -> torch.Tensor:
     return cached[1]
 
 
-class ModulationTables:
-    """Every block's modulation, the pass's time modulation plus the block's own table, made in one add
-    per pass: (L, 4, dim), computed when the first block of a pass asks and reused by the others (they
-    get the same `mod` object; it is held, so the next pass's cannot take its memory). One launch a pass
-    instead of one a block: in the step's CUDA graph each launch on the critical path also costs a gap
-    of about 2 us."""
+class FusedPass:
+    """What the fused blocks of a model share within one pass.
+
+    - Every block's modulation (the pass's time modulation plus the block's own table), made in one
+      add: (L, 4, dim), computed when the first block of a pass asks and reused by the others (they get
+      the same `mod` object; it is held, so the next pass's cannot take its memory).
+    - The next block's input, normalised and quantised by the kernel that makes this block's residual
+      sum, handed over when the next block is called on exactly that residual.
+
+    Both save launches on the step's critical path; in its CUDA graph each one also costs a gap of
+    about 2 us."""
 
     def __init__(self, blocks) -> None:
         self.blocks = list(blocks)
@@ -129,8 +170,9 @@ class ModulationTables:
         self._mod: torch.Tensor | None = None
         self._mod_version = -1
         self._tables: torch.Tensor | None = None
+        self._handover: tuple | None = None  # (residual, its version, mod, h8, sh)
 
-    def __call__(self, index: int, mod: torch.Tensor) -> torch.Tensor:
+    def modulation(self, index: int, mod: torch.Tensor) -> torch.Tensor:
         """(4, dim): shift, scale, gate_attn, gate_mlp of block `index` for the pass's `mod` (4, dim)."""
         table = self.blocks[index].modulation
         if self._stacked is None or self._versions[index] != (table.data_ptr(), table._version):
@@ -142,6 +184,16 @@ class ModulationTables:
             self._mod, self._mod_version = mod, mod._version
         return self._tables[index]
 
+    def hand_over(self, residual: torch.Tensor, mod: torch.Tensor, h8: torch.Tensor, sh: torch.Tensor) -> None:
+        self._handover = (residual, residual._version, mod, h8, sh)
+
+    def take_over(self, x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h8, sh) made for input `x` under `mod` by the block before, or None."""
+        kept, self._handover = self._handover, None
+        if kept is None or kept[0] is not x or kept[1] != x._version or kept[2] is not mod:
+            return None
+        return kept[3], kept[4]
+
 
 def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Tensor:
     """Block.forward for one frame (x (N, dim), mod (4, dim)) with FP8 linears, fused.
@@ -152,9 +204,10 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     H200 the 57b shard's step gained 6% at tensor-parallel degree 4 and about 1% at degrees 1 and 3
     (`engine.bench step` times both settings; docs/benchmarks.md)."""
     # Taking the table inside the two kernels that read it measured slower (more registers, more loads).
-    tables, index = block.modulation_tables
-    shift, scale, gate_attn, gate_mlp = tables(index, mod).unbind(0)  # rows of a (4, dim) tensor: contiguous
-    h8, sh = ln_modulate_quant(x, shift, scale, block.norm.eps)
+    shared, index = block.fused_pass
+    shift, scale, gate_attn, gate_mlp = shared.modulation(index, mod).unbind(0)  # rows of a (4, dim) tensor: contiguous
+    handed = shared.take_over(x, mod)
+    h8, sh = handed if handed is not None else ln_modulate_quant(x, shift, scale, block.norm.eps)
     side = branch_stream(x.device) if block.branch_streams and x.is_cuda else None
     fused_combine = block.fused_combine is not None
 
@@ -178,5 +231,11 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     if fused_combine:
         return x + block.fused_combine(*mlp, a, gate_attn, gate_mlp)
     if block.reduce_is_identity():
-        return gated_sum(a, mlp, gate_attn, gate_mlp, x)
+        if index + 1 == len(shared.blocks):
+            return gated_sum(a, mlp, gate_attn, gate_mlp, x)
+        following = shared.blocks[index + 1]
+        next_shift, next_scale = shared.modulation(index + 1, mod)[:2]
+        y, next_h8, next_sh = gated_sum_ln_quant(a, mlp, gate_attn, gate_mlp, x, next_shift, next_scale, following.norm.eps)
+        shared.hand_over(y, mod, next_h8, next_sh)
+        return y
     return x + block.reduce(gated_sum(a, mlp, gate_attn, gate_mlp))
