@@ -9,7 +9,8 @@ FlashAttention-3 schedules it, which Triton's own pipeliner does not:
 - the consumer warpgroup keeps the tensor cores fed across its softmax: q·kᵀ of block i+1 and P·V of
   block i are issued together, and the softmax of block i+1 runs while P·V of block i is in flight;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
-  products.
+  products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
+  own that share every K/V tile (half the tile traffic, more registers each; it measured no faster).
 
 Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py.
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
@@ -121,10 +122,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 @gluon.jit
 def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, M, S,
                     D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     pid_m, h = gl.program_id(0), gl.program_id(1)
     off_m = pid_m * BLOCK_M
     n_blocks = (S + BLOCK_N - 1) // BLOCK_N
+    CONSUMERS: gl.constexpr = BLOCK_M // 64  # warpgroups of 64 query rows each, sharing every K/V tile
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BLOCK_N], vt_desc.layout)
@@ -136,17 +138,27 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # a stage is free once every consumer is done with it
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     # q as (H*M, D): a tile past this head's M rows reads the next head's (never stored) or zeros (TMA
     # fills past the end); K as (H*S, D) likewise, the slots past S masked; Vᵀ as (H*D, S).
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live, qk_scale, v_scale,
-                     out, s_om, h, off_m, M, S, n_blocks, D, BLOCK_M, BLOCK_N, STAGES, num_warps)),
-        (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                     h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
-    ], [1], [24])
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live, qk_scale,
+                         v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES, num_warps)),
+            (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
+        ], [1], [24])
+    else:  # two consumer warpgroups in their own partitions: each issues its products and softmax on its own schedule
+        gl.warp_specialize([
+            (_consumer, (q_smem.slice(0, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live,
+                         qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES, num_warps)),
+            (_consumer, (q_smem.slice(64, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live,
+                         qk_scale, v_scale, out, s_om, h, off_m + 64, M, S, n_blocks, D, 64, BLOCK_N, STAGES, 4)),
+            (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                         h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def descriptor_layouts(block_m: int, block_n: int, head_dim: int) -> tuple:
@@ -159,7 +171,8 @@ def descriptor_layouts(block_m: int, block_n: int, head_dim: int) -> tuple:
 
 class WarpSpecializedFP8Attention:
     """Launcher, called like FP8Attention. block_m 64 runs one consumer warpgroup per program, two
-    programs per SM (maxnreg 128); block_m 128 runs two consumer warpgroups, one program per SM."""
+    programs per SM (maxnreg 128); block_m 128 runs two consumer warpgroups in partitions of their own,
+    sharing each K/V tile (half the tile traffic), one program per SM with more registers each."""
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device=None,
                  block_m: int = 64, block_n: int = 128, stages: int = 3, maxnreg: int | None = None):
@@ -175,8 +188,11 @@ class WarpSpecializedFP8Attention:
             raise ValueError(f"the slots ({n_slots}) must be a multiple of 16 (TMA rows of 16 bytes)")
         self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
-        self.num_warps = block_m // 16
+        self.num_warps = 4  # the default partition: one consumer warpgroup
+        # block_m 128 launches 12 warps (partitions come in warpgroups): 168 registers each fill the register
+        # file; then the producer's warpgroup gives its registers to the consumer warpgroup in a partition of its own.
         self.maxnreg = maxnreg if maxnreg is not None else (128 if block_m == 64 else 168)
+        self.consumer_regs = 232 if block_m == 128 else 0
         self._descriptors: dict[tuple[int, int, int], tuple] = {}
         # Per K/V tile, 1 where every slot is known live: set by mark_live_tiles, 0 (masked, always
         # correct) until then. Slots only ever turn live, so a mark made before writes stays true.
@@ -193,7 +209,7 @@ class WarpSpecializedFP8Attention:
         q_desc, k_desc, vt_desc = self.descriptors(q8, k8, vt8)
         _attn_ws_kernel[(triton.cdiv(M, self.block_m), H)](
             q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
-            D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages,
+            D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
             num_warps=self.num_warps, maxnreg=self.maxnreg)
         return out
 
@@ -228,7 +244,8 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
     signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]), "vt_desc": mangle_type(descs[2]),
                  "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*bf16", "s_om": "i32", "M": "i32",
                  "S": "i32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
-                 "num_warps": "constexpr"}
-    constants = {"D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "num_warps": att.num_warps}
+                 "CONSUMER_REGS": "constexpr", "num_warps": "constexpr"}
+    constants = {"D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
+                 "CONSUMER_REGS": att.consumer_regs, "num_warps": att.num_warps}
     return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg})
