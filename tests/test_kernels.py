@@ -327,6 +327,12 @@ def test_a_fused_block_hands_the_next_block_its_input():
         y1_handed = model.blocks[1](y0_again, mod, attend)
     assert shared._handover is None or shared._handover[0] is not y0_again  # taken once
     assert ((y1_handed.float() - y1_own.float()).norm() / y1_own.float().norm()).item() <= 1e-3
+    # no reference cycle through the shared state: a dropped model goes at once, not at the next gc
+    import weakref
+
+    gone = weakref.ref(model)
+    del model, shared
+    assert gone() is None
 
 
 def test_fused_block_tracks_the_plain_block():

@@ -256,8 +256,8 @@ def power_summary(name: str) -> str | None:
     clock = [float(r[1].split()[0]) for r in busy]
     power = [float(r[3].split()[0]) for r in busy]
     capped = sum(1 for r in busy if int(r[6].strip(), 16) & 0x4)  # clocks_event_reasons: SW power cap
-    return (f"Clock and power through `bash tools/gpu_suite.sh step` (the profile, then the step benchmark, in an earlier "
-            f"run the same day; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
+    return (f"Clock and power through `bash tools/gpu_suite.sh step` (the profile, then the step benchmark above, in the "
+            f"same run; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
             f"{statistics.median(clock):.0f} MHz (min {min(clock):.0f}, max {float(busy[0][2].split()[0]):.0f}), power median "
             f"{statistics.median(power):.0f} W of a {busy[0][4].strip()} limit; the software power cap was holding the clock "
             f"down in {capped / len(busy):.0%} of these samples.")
@@ -296,10 +296,12 @@ def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
     if not prof:
         return []
     groups = [("FP8 GEMMs (cuBLAS, `torch._scaled_mm`)", lambda n: n.startswith("nvjet_sm90_qq")),
-              ("FP8 attention", lambda n: n == "_attn_kernel"),
-              ("fused block kernels (LayerNorm + quantise, q/k/v norms, SwiGLU + quantise, gated sum, row quantise)",
-               lambda n: n in ("_ln_mod_quant_kernel", "_qkv_norm_kernel", "_swiglu_quant_kernel", "_gated_sum_kernel", "_quant_rows_kernel")),
-              ("cache writes (RoPE + FP8 + ring store, the sink)", lambda n: n in ("_write_frame_kernel", "_rope_store_kernel")),
+              ("FP8 attention", lambda n: n in ("_attn_kernel", "_attn_ws_kernel")),
+              ("fused block kernels (LayerNorm + quantise, SwiGLU + quantise, gated sum (+ the next LayerNorm), row quantise)",
+               lambda n: n in ("_ln_mod_quant_kernel", "_qkv_norm_kernel", "_swiglu_quant_kernel", "_gated_sum_kernel",
+                               "_gated_sum_ln_quant_kernel", "_quant_rows_kernel")),
+              ("cache writes (q/k/v head norms + RoPE + FP8 + ring store, the sink)",
+               lambda n: n in ("_write_frame_kernel", "_rope_store_kernel")),
               ("memsets", lambda n: n.startswith("Memset"))]
     rows, used = [], set()
     for label, test in groups:
@@ -387,6 +389,15 @@ def main() -> None:
             out += ["With the Triton FP8 attention kernel instead of the warp-specialised one "
                     "(`--attention-options '{\"kernel\": \"triton\"}'`; same weights, same run): "
                     f"{ms(s['step_ms_with_triton_attention'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+        no_ws, ws = load("step_57b_tp3_h200_gemm_workspace_0.json"), load("step_57b_tp3_h200_gemm_workspace_1024.json")
+        if no_ws and ws:
+            out += ["cuBLASLt's workspace: the engine runs it at 0 KiB (`CUBLASLT_WORKSPACE_SIZE=0`, set when the FP8 linears "
+                    "are made unless the user set it), so the FP8 GEMMs take statically scheduled kernels that need no memset "
+                    "before each call. Two runs of the step benchmark back to back on one H200, at an earlier commit of the "
+                    "same day: as the engine sets it, "
+                    f"{ms(no_ws['serving']['step_ms'])} ms per step (`docs/results/step_57b_tp3_h200_gemm_workspace_0.json`); "
+                    f"with `CUBLASLT_WORKSPACE_SIZE=1024` (a 1 MiB workspace), {ms(ws['serving']['step_ms'])} ms "
+                    "(`docs/results/step_57b_tp3_h200_gemm_workspace_1024.json`).", ""]
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"])
         power = power_summary("step_57b_tp3_h200_smi.csv")
         if power:
@@ -480,8 +491,9 @@ def main() -> None:
         ws = [c for c in att["configs"] if c.get("kernel") == "ws" and "us" in c]
         if ws:
             out += ["The warp-specialised kernel (`engine/kernels/fp8_attention_ws.py`: a producer warp streams K and Vᵀ "
-                    "tiles by TMA; the consumer warpgroup has q·kᵀ of the next tile in flight under its softmax; two "
-                    "programs share an SM) by tile shape and pipeline depth: "
+                    "tiles by TMA; a consumer warpgroup has q·kᵀ of the next tile in flight under its softmax; at block_m 64 "
+                    "two programs share an SM, at 128 one program runs two consumer warpgroups sharing each K/V tile) by "
+                    "tile shape and pipeline depth: "
                     + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages: {c['us']:.1f} us" for c in ws) + ".", ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:

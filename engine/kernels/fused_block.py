@@ -164,7 +164,10 @@ class FusedPass:
     about 2 us."""
 
     def __init__(self, blocks) -> None:
-        self.blocks = list(blocks)
+        # The blocks' tables and norm eps, not the blocks: blocks refer to this object, and a reference
+        # back would make a cycle that keeps a dropped model (and tensors of its CUDA graph) alive until gc.
+        self.tables = [b.modulation for b in blocks]
+        self.norm_eps = [b.norm.eps for b in blocks]
         self._stacked: torch.Tensor | None = None
         self._versions: list[tuple[int, int]] = []
         self._mod: torch.Tensor | None = None
@@ -174,10 +177,10 @@ class FusedPass:
 
     def modulation(self, index: int, mod: torch.Tensor) -> torch.Tensor:
         """(4, dim): shift, scale, gate_attn, gate_mlp of block `index` for the pass's `mod` (4, dim)."""
-        table = self.blocks[index].modulation
+        table = self.tables[index]
         if self._stacked is None or self._versions[index] != (table.data_ptr(), table._version):
-            self._stacked = torch.stack([b.modulation.detach() for b in self.blocks])  # (L, 4, dim)
-            self._versions = [(b.modulation.data_ptr(), b.modulation._version) for b in self.blocks]
+            self._stacked = torch.stack([t.detach() for t in self.tables])  # (L, 4, dim)
+            self._versions = [(t.data_ptr(), t._version) for t in self.tables]
             self._mod = None
         if mod is not self._mod or mod._version != self._mod_version:
             self._tables = mod + self._stacked
@@ -231,11 +234,11 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     if fused_combine:
         return x + block.fused_combine(*mlp, a, gate_attn, gate_mlp)
     if block.reduce_is_identity():
-        if index + 1 == len(shared.blocks):
+        if index + 1 == len(shared.tables):
             return gated_sum(a, mlp, gate_attn, gate_mlp, x)
-        following = shared.blocks[index + 1]
         next_shift, next_scale = shared.modulation(index + 1, mod)[:2]
-        y, next_h8, next_sh = gated_sum_ln_quant(a, mlp, gate_attn, gate_mlp, x, next_shift, next_scale, following.norm.eps)
+        y, next_h8, next_sh = gated_sum_ln_quant(a, mlp, gate_attn, gate_mlp, x, next_shift, next_scale,
+                                                 shared.norm_eps[index + 1])
         shared.hand_over(y, mod, next_h8, next_sh)
         return y
     return x + block.reduce(gated_sum(a, mlp, gate_attn, gate_mlp))
