@@ -28,11 +28,8 @@ from engine.kernels.common import to_fp8
 
 
 @triton.jit
-def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
-    row = tl.program_id(0)
-    c = tl.arange(0, BLOCK_K)
-    ok = c < K
-    v = tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
+def _ln_mod_quant_row(v, c, ok, row, shift, scale, h8, sh, K, eps, EXACT: tl.constexpr):
+    """Row `row` (float32 v over columns c) -> FP8 of modulate(layer_norm(v)) and its scale."""
     mean = tl.sum(v, 0) / K
     diff = tl.where(ok, v - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, 0) / K + eps)
@@ -40,6 +37,15 @@ def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr,
     s = tl.maximum(tl.max(tl.abs(tl.where(ok, h, 0.0)), 0), 1e-12) / 448.0
     tl.store(h8 + row * K + c, to_fp8(h / s, EXACT), mask=ok)
     tl.store(sh + row, s)
+
+
+@triton.jit
+def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_K)
+    ok = c < K
+    v = tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
+    _ln_mod_quant_row(v, c, ok, row, shift, scale, h8, sh, K, eps, EXACT)
 
 
 def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
@@ -107,14 +113,8 @@ def _gated_sum_ln_quant_kernel(a, m, ga, gm, x, y, shift, scale, h8, sh, K, eps,
     out += tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
     out = out.to(y.dtype.element_ty)
     tl.store(y + row * K + c, out, mask=ok)
-    v = out.to(tl.float32)  # the next block's LayerNorm reads the residual as stored
-    mean = tl.sum(v, 0) / K
-    diff = tl.where(ok, v - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, 0) / K + eps)
-    h = diff * rstd * (1.0 + tl.load(scale + c, mask=ok, other=0.0).to(tl.float32)) + tl.load(shift + c, mask=ok, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(tl.where(ok, h, 0.0)), 0), 1e-12) / 448.0
-    tl.store(h8 + row * K + c, to_fp8(h / s, EXACT), mask=ok)
-    tl.store(sh + row, s)
+    # the next block's LayerNorm reads the residual as stored
+    _ln_mod_quant_row(out.to(tl.float32), c, ok, row, shift, scale, h8, sh, K, eps, EXACT)
 
 
 def gated_sum_ln_quant(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor,
