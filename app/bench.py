@@ -41,7 +41,7 @@ def delivered_turns(live) -> list[dict[str, Any]]:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
-    from app.browser import conversation_wav, start_in_browser, start_server, stop_server
+    from app.browser import chromium_path, conversation_wav, start_in_browser, start_server, stop_server
     from app.config import build_config
     from app.controller import Controller
     from voice.bench import QUESTIONS
@@ -60,6 +60,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with sync_playwright() as p:
             browser, page = start_in_browser(p, wav, config.port)
+            browser_name = f"{chromium_path()} {browser.version}"
             deadline = time.monotonic() + args.utterances * (args.gap_s + 6.0) + 120.0
             while time.monotonic() < deadline:
                 live = controller.live
@@ -88,7 +89,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "end_of_speech": "last voiced microphone chunk fed to the voice loop (so end-of-turn detection is counted)",
         "delivered": "first onset of the character's voice played by the browser, reported over the data channel",
         "spec": config.spec, "device": health.get("device"), "placement": health.get("placement"),
-        "weights": health.get("weights"), "agent": config.agent,
+        "weights": health.get("weights"), "agent": config.agent, "browser": browser_name,
         "engine": {k: health.get(k) for k in ("fps", "step_ms_p50", "step_ms_p95", "underruns", "buffer_depth", "av_offset_ms")},
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
         "load_average_before": [round(x, 2) for x in load_before],

@@ -1,11 +1,14 @@
 """Drives the app from Debian's chromium with Playwright: a WAV file is the microphone.
 
 Used by the end-to-end test and by `python -m app.bench`. Playwright's own browser
-downloads are never used: chromium is the system's (`/usr/bin/chromium`).
+downloads are never used: chromium is the system's (`/usr/bin/chromium`), or the one
+TALKLOOP_CHROMIUM names (e.g. Debian's chromium-headless-shell unpacked on a machine
+where nothing can be installed; tools/app_carry.sh).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -16,10 +19,18 @@ import numpy as np
 from voice.audio import SAMPLE_RATE, write_wav
 
 
+CHROMIUM_ENV = "TALKLOOP_CHROMIUM"
+
+
 def chromium_path() -> str:
+    chosen = os.environ.get(CHROMIUM_ENV)
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise RuntimeError(f"{CHROMIUM_ENV}={chosen} is not an executable file")
+        return chosen
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        raise RuntimeError("chromium not found (Debian: apt-get install chromium)")
+        raise RuntimeError(f"chromium not found (Debian: apt-get install chromium, or set {CHROMIUM_ENV})")
     return path
 
 

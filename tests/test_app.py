@@ -296,3 +296,16 @@ def test_offers_replace_the_previous_viewer_and_shutdown_closes_the_last(monkeyp
         client.post("/talkloop/offer", json={"sdp": "v=1", "type": "offer"})
         assert [p.closed for p in made] == [True, False]  # one viewer at a time
     assert [p.closed for p in made] == [True, True]  # the server's shutdown closed the last one
+
+
+def test_a_chosen_chromium_is_used_or_named_when_it_is_not_there(tmp_path, monkeypatch):
+    from app.browser import CHROMIUM_ENV, chromium_path
+
+    monkeypatch.setenv(CHROMIUM_ENV, str(tmp_path / "missing"))
+    with pytest.raises(RuntimeError, match=f"{CHROMIUM_ENV}=.*missing is not an executable file"):
+        chromium_path()
+    shell = tmp_path / "chromium-headless-shell"
+    shell.write_text("#!/bin/sh\n")
+    shell.chmod(0o755)
+    monkeypatch.setenv(CHROMIUM_ENV, str(shell))
+    assert chromium_path() == str(shell)

@@ -50,3 +50,47 @@ def test_with_site_runs_a_module_with_the_folder_after_the_interpreters_own(tmp_
     bad = subprocess.run([sys.executable, str(root / "tools" / "with_site.py"), str(site_dir)], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode != 0 and "usage" in bad.stderr
+
+
+def _deb(path, files: dict[str, bytes], compression: str = "xz"):
+    """A minimal Debian package: ar archive of debian-binary, control.tar.gz and data.tar.<compression>."""
+    import io
+    import tarfile
+
+    def tar_bytes(entries: dict[str, bytes | str], mode: str) -> bytes:  # str: a symbolic link to that target
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode=mode) as t:
+            for name, data in entries.items():
+                info = tarfile.TarInfo(name)
+                if isinstance(data, str):
+                    info.type, info.linkname = tarfile.SYMTYPE, data
+                    t.addfile(info)
+                    continue
+                info.size, info.mode = len(data), 0o755
+                t.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+    members = [("debian-binary", b"2.0\n"), ("control.tar.gz", tar_bytes({"./control": b"Package: x\n"}, "w:gz")),
+               (f"data.tar.{compression}", tar_bytes(files, f"w:{compression}") if compression != "zst" else b"\0" * 7)]
+    out = b"!<arch>\n"
+    for name, data in members:
+        out += f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode() + data + (b"\n" if len(data) % 2 else b"")
+    path.write_bytes(out)
+    return path
+
+
+def test_debs_unpack_under_a_folder_and_bad_ones_are_named(tmp_path):
+    main, unpack_debs = carry_parts.main, carry_parts.unpack_debs
+
+    a = _deb(tmp_path / "a.deb", {"./usr/lib/x/tool": b"#!/bin/sh\necho hi\n", "./usr/share/doc/x/README": b"odd-sized"})
+    b = _deb(tmp_path / "b.deb", {"./usr/lib/y/libz.so.1": b"\x7fELF"}, compression="gz")
+    c = _deb(tmp_path / "c.deb", {"./usr/share/conf/a.conf": b"x", "./etc/conf.d/a.conf": "/usr/share/conf/a.conf"})
+    assert unpack_debs([a, b, c], tmp_path / "root") == 4
+    assert unpack_debs([c], tmp_path / "root") == 1  # again over the same tree
+    assert (tmp_path / "root/etc/conf.d/a.conf").read_bytes() == b"x"  # the absolute link now points inside
+    assert not os.readlink(tmp_path / "root/etc/conf.d/a.conf").startswith("/")
+    assert (tmp_path / "root/usr/lib/x/tool").read_bytes().startswith(b"#!/bin/sh")
+    assert (tmp_path / "root/usr/lib/y/libz.so.1").read_bytes() == b"\x7fELF"
+    (tmp_path / "not.deb").write_bytes(b"PK\x03\x04")
+    assert main(["unpack-debs", str(tmp_path / "not.deb"), "--into", str(tmp_path / "r2")]) == 2
+    assert main(["unpack-debs", str(_deb(tmp_path / "z.deb", {}, "zst")), "--into", str(tmp_path / "r3")]) == 2

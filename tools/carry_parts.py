@@ -7,17 +7,22 @@ call (each call copies its part into a store under /tmp), then assemble and veri
     python tools/carry_parts.py split --out .carry/voice --part-mib 22 wheels/*.whl   # here
     python3 tools/carry_parts.py receive .carry/voice/p03 --store /tmp/parts           # there, one per call
     python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels        # there, last
+    python3 tools/carry_parts.py unpack-debs /tmp/wheels/*.deb --into /tmp/chromium   # there, for .debs
 
-`assemble` checks every file's sha256 and names the parts still missing.
+`assemble` checks every file's sha256 and names the parts still missing. `unpack-debs` extracts
+Debian packages' files under a folder (never /), with no dpkg needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
+import os
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -101,6 +106,35 @@ def assemble(store: Path, out: Path) -> list[str]:
     return written
 
 
+def unpack_debs(debs: list[Path], into: Path) -> int:
+    """Extract each .deb's data archive (an `ar` member data.tar.*) under `into`; returns the files written."""
+    into.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for deb in debs:
+        with open(deb, "rb") as f:
+            if f.read(8) != b"!<arch>\n":
+                raise ValueError(f"{deb} is not a Debian package (no ar header)")
+            while True:
+                header = f.read(60)
+                if len(header) < 60:
+                    raise ValueError(f"{deb} has no data.tar member")
+                name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58].decode().strip())
+                if name.startswith("data.tar"):
+                    if name.endswith(".zst"):
+                        raise ValueError(f"{deb}: {name} is zstd-compressed, which Python's tarfile cannot read")
+                    with tarfile.open(fileobj=io.BytesIO(f.read(size)), mode="r:*") as tar:
+                        members = [m for m in tar.getmembers() if not m.isdev()]
+                        for m in members:  # a link to /x points to into/x instead: the tree stands on its own
+                            if m.issym() and m.linkname.startswith("/"):
+                                here = os.path.dirname(os.path.normpath(m.name))
+                                m.linkname = os.path.relpath(m.linkname.lstrip("/"), here or ".")
+                        tar.extractall(into, members=members, filter="tar")
+                        count += sum(m.isfile() for m in members)
+                    break
+                f.seek(size + size % 2, 1)  # members are 2-byte aligned
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python tools/carry_parts.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -114,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("assemble")
     a.add_argument("--store", type=Path, required=True)
     a.add_argument("--out", type=Path, required=True)
+    u = sub.add_parser("unpack-debs")
+    u.add_argument("debs", nargs="+", type=Path)
+    u.add_argument("--into", type=Path, required=True)
     args = p.parse_args(argv)
     try:
         if args.cmd == "split":
@@ -121,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(m['files'])} files in {len(m['parts'])} parts under {args.out}: {' '.join(m['parts'])}")
         elif args.cmd == "receive":
             print(f"received {receive(args.part, args.store)} into {args.store}")
+        elif args.cmd == "unpack-debs":
+            print(f"{unpack_debs(args.debs, args.into)} files from {len(args.debs)} packages under {args.into}")
         else:
             print("assembled and verified:", " ".join(assemble(args.store, args.out)))
     except ValueError as e:

