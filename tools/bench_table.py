@@ -291,7 +291,7 @@ def ncu_summary(name: str) -> str | None:
             "issued ahead of the products, which measured the same.")
 
 
-def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
+def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None = None) -> list[str]:
     """Kernel time of one eager serving step, grouped."""
     if not prof:
         return []
@@ -321,7 +321,12 @@ def step_profile(prof: dict | None, step_ms: float | None) -> list[str]:
                 "kernel were the benchmark's defaults: these GEMMs promote their sums to float32, and the attention row "
                 "is the Triton kernel.)", ""]
     elif step_ms:
-        out += [f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here.", ""]
+        line = f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here."
+        if gemm_ms:
+            line += (f" The GEMMs' kernels add up to {rows[0][1]:.1f} ms here, run eagerly with launch gaps between them, and take "
+                     f"{gemm_ms:.1f} ms back to back in a CUDA graph (the GEMM row above); the clock log below shows the power "
+                     "cap holding the SM clock down while the GPU is busy, which would account for the difference.")
+        out += [line, ""]
     return out
 
 
@@ -398,7 +403,7 @@ def main() -> None:
                     f"{ms(no_ws['serving']['step_ms'])} ms per step (`docs/results/step_57b_tp3_h200_gemm_workspace_0.json`); "
                     f"with `CUBLASLT_WORKSPACE_SIZE=1024` (a 1 MiB workspace), {ms(ws['serving']['step_ms'])} ms "
                     "(`docs/results/step_57b_tp3_h200_gemm_workspace_1024.json`).", ""]
-        out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"])
+        out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"], s.get("gemm_ms"))
         power = power_summary("step_57b_tp3_h200_smi.csv")
         if power:
             out += [power, ""]
