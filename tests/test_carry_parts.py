@@ -50,6 +50,13 @@ def test_with_site_runs_a_module_with_the_folder_after_the_interpreters_own(tmp_
     bad = subprocess.run([sys.executable, str(root / "tools" / "with_site.py"), str(site_dir)], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode != 0 and "usage" in bad.stderr
+    # a copy of an installed package: the interpreter's wins, unless --first (the standard library always wins)
+    (site_dir / "yaml.py").write_text("OURS = True\n")
+    (site_dir / "probe_first.py").write_text("import json, yaml\nprint(hasattr(yaml, 'OURS'))\n")
+    for flag, ours in (([], "False"), (["--first"], "True")):
+        out = subprocess.run([sys.executable, str(root / "tools" / "with_site.py"), *flag, str(site_dir), "probe_first"],
+                             cwd=root, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == ours, (flag, out.stdout, out.stderr)
 
 
 def _deb(path, files: dict[str, bytes], compression: str = "xz"):

@@ -21,12 +21,9 @@ python3 -m pip download -q --only-binary=:all: --python-version "$PY" --implemen
   "playwright>=1.45"
 rm -f "$FILES"/ruff-*.whl  # gradio's custom-component tooling, never imported by the app
 if [[ ${SKIP_IMAGE:-1} == 1 ]]; then
-  # Packages the device image already has (its list in the device library's KINDS.md): tools/with_site.py puts
-  # ours after the image's, so copies of these would never be imported.
-  for name in numpy pandas pillow onnxruntime tokenizers pyyaml huggingface_hub hf_xet pygments pytz python_dateutil \
-      six packaging typing_extensions certifi idna urllib3 requests charset_normalizer anyio h11 httpcore httpx click \
-      typer rich markdown_it_py mdurl shellingham jinja2 markupsafe aiofiles sympy mpmath filelock fsspec tqdm protobuf \
-      flatbuffers attrs cffi pycparser coloredlogs humanfriendly tzdata; do
+  # The device image's own copies of torch's dependencies and of the large binary packages (its package list is in the
+  # device library's KINDS.md) are used instead of ours; tools/with_site.py --first puts the rest of ours before the image's.
+  for name in numpy pandas pillow onnxruntime sympy mpmath typing_extensions filelock fsspec jinja2 markupsafe; do
     rm -f "$FILES/$name"-*.whl
   done
 fi

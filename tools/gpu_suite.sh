@@ -79,7 +79,7 @@ for part in $parts; do
     # The carried libraries for the browser alone (a wrapper sets them), not for this Python and its torch.
     printf '#!/bin/sh\nexport LD_LIBRARY_PATH=/tmp/chromium/usr/lib/x86_64-linux-gnu:/tmp/chromium/usr/lib/x86_64-linux-gnu/pulseaudio:/tmp/chromium/lib/x86_64-linux-gnu FONTCONFIG_PATH=/tmp/chromium/etc/fonts\nexec /tmp/chromium/usr/lib/chromium/chromium-headless-shell "$@"\n' > /tmp/chromium/shell
     chmod +x /tmp/chromium/shell
-    TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py /tmp/site app.bench ${APP_ARGS:---device cuda} \
+    TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py --first /tmp/site app.bench ${APP_ARGS:---device cuda} \
       --utterances "${APP_UTTERANCES:-5}" --json > "$OUT/app_bench_demo_h200.json" && cat "$OUT/app_bench_demo_h200.json"
   fi
   if [[ $part == attention-ncu ]]; then  # Nsight Compute on one call of the warp-specialised attention kernel (named only)
