@@ -362,7 +362,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             out["cache_upkeep_ms"] = time_part(upkeep)
             out["attention_ms"] = time_part(attend)
         out["other_ms"] = out["step_ms"] - out["gemm_ms"] - out["attention_ms"] - out["cache_upkeep_ms"]
-        del session, model, cache
+        session = model = cache = None  # let the GPU memory go before the next configuration
         return out
 
     result["serving"] = run_config(True)
