@@ -98,6 +98,8 @@ def test_debs_unpack_under_a_folder_and_bad_ones_are_named(tmp_path):
     assert not os.readlink(tmp_path / "root/etc/conf.d/a.conf").startswith("/")
     assert (tmp_path / "root/usr/lib/x/tool").read_bytes().startswith(b"#!/bin/sh")
     assert (tmp_path / "root/usr/lib/y/libz.so.1").read_bytes() == b"\x7fELF"
+    out = _deb(tmp_path / "out.deb", {"./usr/lib/evil": "../../../../etc/passwd"})  # a link leaving the folder
+    assert main(["unpack-debs", str(out), "--into", str(tmp_path / "r1")]) == 2
     (tmp_path / "not.deb").write_bytes(b"PK\x03\x04")
     assert main(["unpack-debs", str(tmp_path / "not.deb"), "--into", str(tmp_path / "r2")]) == 2
     assert main(["unpack-debs", str(_deb(tmp_path / "z.deb", {}, "zst")), "--into", str(tmp_path / "r3")]) == 2

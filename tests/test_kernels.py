@@ -249,8 +249,10 @@ def test_ln_modulate_quant_matches_float_reference():
     close_fp8(h8, r8, rs)
 
 
-def test_frame_write_applies_the_head_norms_it_is_given():
-    """Raw q, k, v (views of one QKV output) with their norm gains land in the cache as the normed ones do."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frame_write_applies_the_head_norms_it_is_given(dtype):
+    """Raw q, k, v (views of one QKV output) with their norm gains land in the cache as the normed ones do
+    (in bf16 too: the kernel rounds the normed values to the input's type, as the model's norm does)."""
     from engine.model import apply_head_norm
     from engine.rope import apply_rope
 
@@ -261,16 +263,17 @@ def test_frame_write_applies_the_head_norms_it_is_given():
     ref, fast = (RingKVCache(SPEC, [gains[1]] * L, [gains[2]] * L, backend=b, **kw) for b in ("torch", "triton"))
     for c in (ref, fast):
         c.begin_step(0)
-    qkv = (torch.randn(F, 3 * H * D, generator=g) * 3 + 0.5).to(DEVICE)
+    qkv = (torch.randn(F, 3 * H * D, generator=g) * 3 + 0.5).to(DEVICE, dtype)
     raw = qkv.view(F, 3, H, D).permute(1, 2, 0, 3).unbind(0)  # strided (H, F, D) views, as the fused block passes them
+    gains = gains.to(dtype)
     fast._attend_triton(0, *raw, head_norm=(gains, 1e-6))
-    q, k, v = apply_head_norm(*raw, (gains, 1e-6))
+    q, k, v = (x.float() for x in apply_head_norm(*raw, (gains, 1e-6)))  # normed in the input's type, rotated in float32
     ref.write(0, k, v)
     close_fp8(fast.k[0], ref.k[0], ref.k_scale[0])
     close_fp8(fast.vt[0], ref.vt[0], ref.v_scale[0])
     close_fp8(fast.q8, fp8.quantize(apply_rope(q, *ref._frame_cos_sin()), fast.q_scale[0]), fast.q_scale[0])
     # the norms did something: the raw keys quantise differently
-    assert not torch.equal(fast.k[0], fp8.quantize(apply_rope(raw[1], *ref._frame_cos_sin()), fast.k_scale[0]))
+    assert not torch.equal(fast.k[0], fp8.quantize(apply_rope(raw[1].float(), *ref._frame_cos_sin()), fast.k_scale[0]))
 
 
 def test_swiglu_quant_and_gated_sum_match_float_reference():
@@ -319,13 +322,23 @@ def test_a_fused_block_hands_the_next_block_its_input():
     with torch.no_grad():
         y0 = model.blocks[0](x, mod, attend)
         assert shared._handover is not None and shared._handover[0] is y0
-        assert shared.take_over(y0.clone(), mod) is None and shared._handover is None  # another tensor: not taken
+        assert shared.take_over(y0.clone(), mod, 1) is None and shared._handover is None  # another tensor: not taken
         y1_own = model.blocks[1](y0, mod, attend)  # normalises its input itself
         model.blocks[0](x, mod, attend)
         y0_again = shared._handover[0]
         assert torch.equal(y0_again, y0)
         y1_handed = model.blocks[1](y0_again, mod, attend)
     assert shared._handover is None or shared._handover[0] is not y0_again  # taken once
+    with torch.no_grad():  # only the block it was made for takes it, and only under an unchanged mod
+        model.blocks[0](x, mod, attend)
+        assert shared.take_over(shared._handover[0], mod, 0) is None
+        y0_again = model.blocks[0](x, mod, attend)
+        mod.mul_(1.0)
+        assert shared.take_over(y0_again, mod, 1) is None
+    with torch.inference_mode():  # inference tensors keep no version: nothing is reused, nothing fails
+        xi, modi = x.clone(), mod.clone()
+        yi = model.blocks[1](model.blocks[0](xi, modi, attend), modi, attend)
+    assert ((yi.float() - y1_own.float()).norm() / y1_own.float().norm()).item() <= 1e-3
     assert ((y1_handed.float() - y1_own.float()).norm() / y1_own.float().norm()).item() <= 1e-3
     # no reference cycle through the shared state: a dropped model goes at once, not at the next gc
     import weakref

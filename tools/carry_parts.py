@@ -127,8 +127,11 @@ def unpack_debs(debs: list[Path], into: Path) -> int:
                         for m in members:  # a link to /x points to into/x instead: the tree stands on its own
                             if m.issym() and m.linkname.startswith("/"):
                                 here = os.path.dirname(os.path.normpath(m.name))
-                                m.linkname = os.path.relpath(m.linkname.lstrip("/"), here or ".")
-                        tar.extractall(into, members=members, filter="tar")
+                                m.linkname = os.path.relpath(m.linkname.lstrip("/") or ".", here or ".")
+                        try:  # "data": no member and no link may leave the folder
+                            tar.extractall(into, members=members, filter="data")
+                        except (tarfile.TarError, OSError) as e:
+                            raise ValueError(f"{deb}: {e}") from e
                         count += sum(m.isfile() for m in members)
                     break
                 f.seek(size + size % 2, 1)  # members are 2-byte aligned

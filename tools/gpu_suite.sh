@@ -73,7 +73,7 @@ for part in $parts; do
       && python3 -c "import json;r=json.load(open('$OUT/compare_demo.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
   fi
   if [[ $part == app ]]; then  # the whole app and a browser on this GPU; first carry tools/app_carry.sh's parts to /tmp/parts
-    python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/app-files > /dev/null \
+    rm -rf /tmp/app-files /tmp/site && python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/app-files > /dev/null \
       && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/app-files/*.whl \
       && rm -rf /tmp/chromium && python3 tools/carry_parts.py unpack-debs /tmp/app-files/*.deb --into /tmp/chromium || exit 1
     # The carried libraries for the browser alone (a wrapper sets them), not for this Python and its torch.

@@ -21,3 +21,18 @@ def to_fp8(x, EXACT: tl.constexpr):
         v = x / step
         x = ((v + 12582912.0) - 12582912.0) * step  # 1.5 * 2^23: rounds half to even
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, EXACT: tl.constexpr):
+    """float32 x rounded to `dtype` (nearest even) and back to float32, as storing it in that type would.
+
+    The interpreter casts float32 to bf16 by truncation; EXACT rounds by the bits instead.
+    """
+    if dtype == tl.float32:
+        return x
+    if EXACT and dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)

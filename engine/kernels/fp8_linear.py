@@ -95,12 +95,13 @@ def prefer_static_gemm_schedule() -> bool:
     shapes then use a static tile schedule instead of a dynamic one whose counter is zeroed by a
     memset before every call (a graph node, and a launch gap, per GEMM: 960 a step for the 57b
     shard; on one H200 the step took 2 ms less, docs/benchmarks.md). Torch reads the setting at
-    its first cuBLASLt call in the process, so it must come before any GEMM on the GPU; returns
-    whether this call set it."""
+    its first cuBLASLt call in the process and keeps it for every cuBLASLt GEMM after, so it
+    takes effect only if no GEMM ran on the GPU before; returns whether this call set it."""
     if os.environ.get(GEMM_WORKSPACE_ENV) is not None:
         return False
     os.environ[GEMM_WORKSPACE_ENV] = "0"
-    log.info("cuBLASLt workspace 0 (%s=0): statically scheduled FP8 GEMMs, no memset per call", GEMM_WORKSPACE_ENV)
+    log.info("asked for cuBLASLt without a workspace (%s=0: statically scheduled FP8 GEMMs, no memset per call); "
+             "it holds unless this process ran a GEMM on the GPU before", GEMM_WORKSPACE_ENV)
     return True
 
 

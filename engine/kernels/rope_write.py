@@ -22,16 +22,17 @@ import triton
 import triton.language as tl
 
 from engine.kernels import interpreting
-from engine.kernels.common import to_fp8
+from engine.kernels.common import round_to, to_fp8
 
 
 @triton.jit
-def _load_rows(src, s_tok, tok, t_ok, gain, eps, D: tl.constexpr, NORM: tl.constexpr):
+def _load_rows(src, s_tok, tok, t_ok, gain, eps, D: tl.constexpr, NORM: tl.constexpr, EXACT: tl.constexpr):
     """Rows `tok` of src (tokens, D) in float32; with NORM, RMS-normalised with gain (D,)."""
     d = tl.arange(0, D)
     x = tl.load(src + tok[:, None] * s_tok + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)  # one contiguous row read
     if NORM:
         x = x / tl.sqrt(tl.sum(x * x, 1) / D + eps)[:, None] * tl.load(gain + d)[None, :].to(tl.float32)
+        x = round_to(x, src.dtype.element_ty, EXACT)  # rounded as the model's norm stores it (bf16 on a GPU)
     return x
 
 
@@ -42,7 +43,7 @@ def _rope_quant(src, s_tok, tok, t_ok, cos_base, sin_base, D: tl.constexpr, scal
     HALF: tl.constexpr = D // 2
     j = tl.arange(0, HALF)
     m = t_ok[:, None]
-    x = _load_rows(src, s_tok, tok, t_ok, gain, eps, D, NORM)
+    x = _load_rows(src, s_tok, tok, t_ok, gain, eps, D, NORM, EXACT)
     a, b = tl.split(tl.reshape(x, (x.shape[0], HALF, 2)))
     cs = tok[:, None] * HALF + j[None, :]
     c = tl.load(cos_base + cs, mask=m, other=1.0)
@@ -74,7 +75,7 @@ def _write_frame_kernel(
                         gains + (H + h) * D, eps, NORM)
     tl.store(k_cache + h * S * D + (start + tok)[:, None] * D + d[None, :], k_rot, mask=m)
     # v goes to the transposed cache: store the (D, BLOCK_T) transpose so writes run along slots
-    vv = _load_rows(v + h * s_vh, s_vt, tok, t_ok, gains + (2 * H + h) * D, eps, D, NORM)
+    vv = _load_rows(v + h * s_vh, s_vt, tok, t_ok, gains + (2 * H + h) * D, eps, D, NORM, EXACT)
     v8 = tl.trans(to_fp8(vv / tl.load(v_scale + h), EXACT))
     tl.store(vt_cache + h * D * S + d[:, None] * S + (start + tok)[None, :], v8, mask=t_ok[None, :])
     if h == 0:
