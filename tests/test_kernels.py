@@ -7,6 +7,9 @@ probabilities are rounded to e4m3 too); FP8 linears within 5% of the float produ
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -427,3 +430,38 @@ def test_branch_streams_give_the_same_block_output_eagerly_and_in_a_cuda_graph()
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+_HOPPER_BUILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.kernels.fused_block import _gated_sum_ln_quant_kernel, _ln_mod_quant_kernel
+from engine.kernels.rope_write import _write_frame_kernel
+
+hopper = GPUTarget("cuda", 90, 32)
+rows = {"x": "*bf16", "shift": "*bf16", "scale": "*bf16", "h8": "*fp8e4nv", "sh": "*fp32", "K": "i32", "eps": "fp32",
+        "BLOCK_K": "constexpr", "EXACT": "constexpr"}
+gated = {"a": "*bf16", "m": "*bf16", "ga": "*bf16", "gm": "*bf16", "x": "*bf16", "y": "*bf16", "shift": "*bf16", "scale": "*bf16",
+         "h8": "*fp8e4nv", "sh": "*fp32", "K": "i32", "eps": "fp32", "BLOCK_K": "constexpr", "EXACT": "constexpr"}
+write = {**{n: "*bf16" for n in ("q", "k", "v")}, **{n: "i32" for n in ("s_qh", "s_qt", "s_kh", "s_kt", "s_vh", "s_vt")},
+         "cos": "*fp32", "sin": "*fp32", "pos_idx": "*i32", "slot": "*i32", "q8": "*fp8e4nv", "k_cache": "*fp8e4nv",
+         "vt_cache": "*fp8e4nv", "valid": "*i8", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32", "gains": "*bf16",
+         "eps": "fp32", "F": "i32", "S": "i32", "H": "i32", "D": "constexpr", "BLOCK_T": "constexpr", "EXACT": "constexpr",
+         "NORM": "constexpr"}
+for kernel, sig, const in ((_ln_mod_quant_kernel, rows, {"BLOCK_K": 8192, "EXACT": False}),
+                           (_gated_sum_ln_quant_kernel, gated, {"BLOCK_K": 8192, "EXACT": False}),
+                           (_write_frame_kernel, write, {"D": 128, "BLOCK_T": 64, "EXACT": False, "NORM": True})):
+    ptx = triton.compile(ASTSource(kernel, sig, constexprs=const), target=hopper, options={"num_warps": 8}).asm["ptx"]
+    assert ".target sm_90" in ptx, kernel
+print("built")
+"""
+
+
+def test_the_block_and_cache_kernels_build_for_hopper():
+    """The GPU build of the kernels the fused block and the ring cache launch (ptxas ships with Triton): this
+    process runs them in the interpreter, so they are compiled in a fresh one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("built"), out.stderr[-3000:]
