@@ -90,7 +90,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "delivered": "first onset of the character's voice played by the browser, reported over the data channel",
         "spec": config.spec, "device": health.get("device"), "placement": health.get("placement"),
         "weights": health.get("weights"), "agent": config.agent, "browser": browser_name,
-        "engine": {k: health.get(k) for k in ("fps", "step_ms_p50", "step_ms_p95", "underruns", "buffer_depth", "av_offset_ms")},
+        "engine": {k: health.get(k) for k in ("fps", "step_ms_p50", "step_ms_p95", "underruns", "buffer_depth", "lead", "av_offset_ms")},
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
         "load_average_before": [round(x, 2) for x in load_before],
         "utterances_asked": len(questions), "turns_measured": len(records),

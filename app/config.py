@@ -31,7 +31,8 @@ class AppConfig:
     gpus: str | None = None  # placement: diffusion GPUs, one process each
     decoder_gpu: str | None = None  # placement: GPU(s) that only decode
     tp: int | None = None  # without GPUs: tensor-parallel degree in CPU processes
-    max_lead: int = 7  # playout buffer: frames the engine may run ahead
+    max_lead: int = 7  # playout buffer: frames the engine may run ahead (at most)
+    adaptive_lead: bool = True  # keep only the lead the engine's recent steps need (engine/playout.py)
     prebuffer: int = 4  # playout buffer: frames waiting before playback (re)starts
     preset: str = "ada"
     session_log: str | None = None  # per-session fps log (default: engine.sessions.default_log())

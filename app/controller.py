@@ -156,7 +156,7 @@ class Controller:
             stats = shown.stats if shown.stats is not None else shown.character.stats()
             out.update(state="live" if shown is self.live else ("failed" if shown.failure else "stopped"),
                        step_ms_p50=round(stats.get("step_ms_p50", 0.0), 1), step_ms_p95=round(stats.get("step_ms_p95", 0.0), 1),
-                       fps=round(stats.get("fps", 0.0), 1), buffer_depth=stats.get("buffer_depth"),
+                       fps=round(stats.get("fps", 0.0), 1), buffer_depth=stats.get("buffer_depth"), lead=stats.get("lead"),
                        underruns=stats.get("underruns"), steps=stats.get("steps"))
             offsets = sorted(shown.av_offsets_ms)
             if offsets and out["fps"] < 0.95 * shown.character.spec.fps:

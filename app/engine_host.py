@@ -100,13 +100,14 @@ class EngineHost:
             # add a conversion of the whole window at every attention call.
             session = EngineSession(self.model, kv_dtype="fp8" if self.device.type == "cuda" else "fp32")
             session.start(reference)
-            character = RealtimeCharacter(steps=LocalSteps(session, self.codec), playout=playout)
+            character = RealtimeCharacter(steps=LocalSteps(session, self.codec), playout=playout,
+                                          adaptive_lead=self.config.adaptive_lead)
             engine = None
         else:
             engine = self._take_distributed()
             steps = RemoteSteps(engine)
             steps.start(reference.cpu())
-            character = RealtimeCharacter(steps=steps, playout=playout, lookahead=1)
+            character = RealtimeCharacter(steps=steps, playout=playout, lookahead=1, adaptive_lead=self.config.adaptive_lead)
         character.start()
         return character, engine
 

@@ -7,6 +7,11 @@ bounded), and a step may take as long as the waiting frames last: with `max_lead
 frames waiting, up to max_lead / fps seconds (7 frames: 292 ms, enough for the seed's
 263 ms reset step).
 
+`max_lead` is a ceiling. `adapt_lead` lowers the lead the engine keeps to what its
+recent steps need (the slowest of them, with a margin): every frame waiting is time
+that speech pushed now spends before it plays, so a fast engine keeps a short lead and
+a slow one the whole of `max_lead`.
+
 If a frame is due and none waits, that is an underrun: the picture holds, the
 buffer refills to `prebuffer` and the clock restarts from there. The clock is
 injectable so the behaviour can be checked without sleeping.
@@ -14,6 +19,7 @@ injectable so the behaviour can be checked without sleeping.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -47,6 +53,7 @@ class PlayoutBuffer:
             raise ValueError(f"need 1 <= prebuffer <= max_lead, got prebuffer={prebuffer}, max_lead={max_lead}")
         self.period = 1.0 / fps
         self.prebuffer, self.max_lead = prebuffer, max_lead
+        self.lead = max_lead  # the engine may start a step while no more frames than this wait; <= max_lead
         self.clock = clock
         self.frames: deque[Any] = deque()
         self.next_due: float | None = None  # None while (re)buffering
@@ -65,7 +72,18 @@ class PlayoutBuffer:
 
     def has_room(self) -> bool:
         """True when the engine may start its next step."""
-        return len(self.frames) <= self.max_lead
+        return len(self.frames) <= self.lead
+
+    def adapt_lead(self, slowest_step_s: float, margin: float = 1.25, guard: int = 1) -> int:
+        """Set the lead to cover a step as slow as `slowest_step_s` (times `margin`, plus `guard` frames):
+        the frames waiting when a step starts must last until its frames arrive. Never above max_lead."""
+        if not slowest_step_s >= 0:
+            raise ValueError(f"slowest_step_s must be a duration >= 0, got {slowest_step_s}")
+        need = math.ceil(slowest_step_s * margin / self.period) + guard
+        with self._cond:
+            self.lead = max(1, min(self.max_lead, need))
+            self._cond.notify_all()
+        return self.lead
 
     def wait_for_room(self, timeout: float | None = None) -> bool:
         """Block until the engine may start a step (or the buffer closes). Real-clock use only."""

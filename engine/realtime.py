@@ -149,14 +149,24 @@ class RealtimeCharacter:
     step t+1 is denoised while step t is decoded. Speech pushed after a step was submitted
     starts at the next step; barge-in also silences submitted steps not yet played."""
 
+    # With adaptive_lead, the playout lead follows the slowest of the last LEAD_WINDOW steps (8 s of video, so
+    # a position reset, every 42 steps, is always among them), once the window is full; the first ADAPT_AFTER
+    # steps (warm-up, graph capture) are left out. Until then the lead is the buffer's max_lead.
+    LEAD_WINDOW, ADAPT_AFTER = 48, 8
+
     def __init__(self, session: EngineSession | None = None, codec: Codec | None = None, *,
-                 steps: LocalSteps | RemoteSteps | None = None, playout: PlayoutBuffer | None = None, lookahead: int = 0):
+                 steps: LocalSteps | RemoteSteps | None = None, playout: PlayoutBuffer | None = None, lookahead: int = 0,
+                 adaptive_lead: bool = False):
         if steps is None:
             if session is None or codec is None:
                 raise ValueError("give a session and a codec, or steps")
             steps = LocalSteps(session, codec)
         self.steps, self.spec, self.session = steps, steps.spec, session
         self.lookahead = lookahead
+        self.adaptive_lead = adaptive_lead
+        # step times after the first ADAPT_AFTER; at least one reset period plus a few steps long
+        self._lead_window: deque[float] = deque(maxlen=max(self.LEAD_WINDOW, self.spec.reset_every + 6))
+        self._warm_steps_skipped = 0
         self._pending: deque[tuple[int, list[np.ndarray]]] = deque()  # submitted steps: first frame, audio
         self.playout = playout or PlayoutBuffer(fps=self.spec.fps)
         self.timeline = AudioTimeline(self.spec.fps)
@@ -242,10 +252,23 @@ class RealtimeCharacter:
             while self._running.is_set():
                 if not self.playout.wait_for_room(timeout=0.5):
                     continue
-                self.playout.put(self.make_step())
+                frames = self.make_step()
+                self.playout.put(frames)
+                if self.adaptive_lead and frames:
+                    self._adapt_lead()
         except BaseException as e:  # surfaced to the consumer by frames()
             self.error = e
             self.playout.close()
+
+    def _adapt_lead(self) -> None:
+        """After each step: past the first ADAPT_AFTER steps (warm-up, graph capture), the lead covers
+        the slowest step of the window."""
+        if self._warm_steps_skipped < self.ADAPT_AFTER:
+            self._warm_steps_skipped += 1
+            return
+        self._lead_window.append(self.step_seconds[-1])
+        if len(self._lead_window) == self._lead_window.maxlen:
+            self.playout.adapt_lead(max(self._lead_window))
 
     def frames(self, timeout: float = 5.0) -> Iterator[AVFrame]:
         """Frames on the 24 fps clock until stop(); raises if the engine loop died."""
@@ -267,5 +290,6 @@ class RealtimeCharacter:
             "fps": self.playout.stats.fps(),
             "underruns": self.playout.stats.underruns,
             "buffer_depth": self.playout.stats.depth,
+            "lead": self.playout.lead,
             "device": self.steps.device,
         }

@@ -64,3 +64,52 @@ def test_bad_settings():
         PlayoutBuffer(prebuffer=5, max_lead=4)
     with pytest.raises(ValueError, match="fps"):
         PlayoutBuffer(fps=0)
+
+
+def simulate_adaptive(step_ms: list[float], *, max_lead: int = 7, window: int = 48, skip: int = 8) -> tuple[PlayoutBuffer, list[int]]:
+    """simulate() with the engine loop's adaptive lead (RealtimeCharacter's rule); also returns the frames
+    waiting when each step started: how long speech pushed at that moment waits before it plays."""
+    now = [0.0]
+    buf = PlayoutBuffer(FPS, prebuffer=4, max_lead=max_lead, clock=lambda: now[0])
+    busy_until, next_step, made, seen, depths = None, 0, 0, [], []
+    video_ms = len(step_ms) * 4 * 1000 / FPS  # steps wait for playback: the run lasts at least the video it makes
+    for ms in range(int(max(sum(step_ms), video_ms)) + 1000):
+        now[0] = ms / 1000
+        if busy_until is not None and now[0] >= busy_until:
+            buf.put(list(range(made, made + 4)))
+            made += 4
+            busy_until = None
+            seen.append(step_ms[next_step - 1] / 1000)
+            recent = seen[skip:][-window:]
+            if len(recent) == window:
+                buf.adapt_lead(max(recent))
+        if busy_until is None and next_step == len(step_ms):
+            break  # the last frames are in; what follows is the buffer draining, not the engine
+        buf.pop_due()
+        if busy_until is None and next_step < len(step_ms) and buf.has_room():
+            depths.append(len(buf.frames))
+            busy_until = now[0] + step_ms[next_step] / 1000
+            next_step += 1
+    return buf, depths
+
+
+def test_the_lead_covers_the_slowest_step_with_a_margin_and_stays_within_max_lead():
+    buf = PlayoutBuffer(FPS, prebuffer=4, max_lead=7)
+    assert buf.lead == 7  # max_lead until told otherwise
+    assert buf.adapt_lead(0.006) == 2  # a 6 ms step: 1 frame of margin beyond the step's own
+    assert buf.adapt_lead(0.150) == 6  # 150 ms x 1.25 = 4.5 frames -> 5, + 1
+    assert buf.adapt_lead(0.263) == 7 and buf.adapt_lead(5.0) == 7  # never above max_lead
+    with pytest.raises(ValueError, match="slowest_step_s"):
+        buf.adapt_lead(float("nan"))
+
+
+def test_a_fast_engine_keeps_a_short_lead_and_a_periodic_slow_step_is_still_absorbed():
+    # 30 ms steps with the seed's 263 ms reset step every 42 steps, over 40 s of video
+    steps = [263.0 if i % 42 == 41 else 30.0 for i in range(240)]
+    adaptive, depths = simulate_adaptive(steps)
+    assert adaptive.stats.underruns == 0 and adaptive.stats.released > 900  # five reset steps absorbed
+    assert adaptive.lead == 7  # the window holds a reset step
+    steady, steady_depths = simulate_adaptive([30.0] * 240)
+    assert steady.stats.underruns == 0 and steady.lead == 2  # 30 ms x 1.25 -> 1 frame, + 1
+    # once adapted, speech waits behind 2 frames or fewer instead of up to 7
+    assert max(steady_depths[-100:]) <= 2 and max(depths[-100:]) <= 7

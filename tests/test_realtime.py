@@ -114,3 +114,30 @@ def test_session_log_reports_the_share_of_slow_sessions(tmp_path, model):
     assert summary["share_at_or_below_24_fps"] == pytest.approx(expected / 2)
     with pytest.raises(ValueError, match="not found"):
         summarize(tmp_path / "missing.jsonl")
+
+
+def test_adaptive_lead_waits_for_a_full_window_then_follows_the_slowest_step(model):
+    character = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=7), adaptive_lead=True)
+    window = character._lead_window.maxlen
+    assert window >= TINY.reset_every + 6  # a reset step always falls inside it
+
+    def step(seconds: float) -> None:  # what the loop does after each step's frames are in
+        character.step_seconds.append(seconds)
+        character._adapt_lead()
+
+    for _ in range(character.ADAPT_AFTER):
+        step(2.0)  # warm-up steps (graph capture): left out
+    for _ in range(window - 1):
+        step(0.006)
+    assert character.playout.lead == 7  # the window is not full yet
+    step(0.006)
+    assert character.playout.lead == 2 and character.stats()["lead"] == 2
+    step(0.263)  # a slow step: the lead grows at once
+    assert character.playout.lead == 7
+    for _ in range(window - 1):
+        step(0.006)
+    assert character.playout.lead == 7  # still in the window
+    step(0.006)
+    assert character.playout.lead == 2  # gone from it
+    fixed = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=7))
+    assert fixed.adaptive_lead is False and fixed.playout.lead == 7
