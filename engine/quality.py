@@ -316,6 +316,7 @@ class EngineConfig:
     decoder_gpu: int | None = None  # the decoder's own GPU (processes on CUDA); None: it shares rank 0's
     reset_every: int | None = None  # steps between position resets (None: the spec's)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    adaptive_lead: bool = False  # real-time runs (soak): the playout lead adapted to recent steps, as the app has it
 
     def describe(self) -> str:
         kv = self.kv_dtype if self.cache == "ring" else "float"
@@ -325,6 +326,7 @@ class EngineConfig:
         extra += [f"attention={self.attention}"] if self.backend == "triton" else []
         extra += ["cuda_graph"] if self.cuda_graph else []
         extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
+        extra += ["adaptive_lead"] if self.adaptive_lead else []
         return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
 
 
@@ -502,12 +504,13 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
         except BaseException:
             engine.close()
             raise
-        return RealtimeCharacter(steps=steps, lookahead=1, playout=playout), trained, engine.close
+        return (RealtimeCharacter(steps=steps, lookahead=1, playout=playout, adaptive_lead=config.adaptive_lead), trained,
+                engine.close)
     model, codec, trained = load_engine(spec, weights=weights, device=device, dtype=dtype, seed=weights_seed)
     apply_gemm_mode_(model, config.gemm, fuse=device.type == "cuda")
     session = EngineSession(model, seed=noise_seed, **session_kwargs)
     session.start(codec.encode_reference(ch.reference_image(look, spec.image_size)).to(device, dtype))
-    return RealtimeCharacter(session, codec, playout=playout), trained, (lambda: None)
+    return RealtimeCharacter(session, codec, playout=playout, adaptive_lead=config.adaptive_lead), trained, (lambda: None)
 
 
 def config_frames(config: EngineConfig, spec, pcm: np.ndarray, look: str, *, noise_seed: int,

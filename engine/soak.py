@@ -234,7 +234,8 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
                     recorded += 1
             if now >= next_sample:
                 row = {"t": round(now, 3), "released": live.released, "underruns": live.underruns,
-                       "depth": live.playout.stats.depth, "steps": len(step_times), **live.memory.sample()}
+                       "depth": live.playout.stats.depth, "lead": live.playout.lead, "steps": len(step_times),
+                       **live.memory.sample()}
                 samples.append(row)
                 trace.write("second", **row)
                 if progress is not None:

@@ -130,6 +130,7 @@ def test_configs_are_presets_with_overrides_or_json_files(tmp_path):
     assert (c.cache, c.kv_dtype, c.reset_every, c.tp) == ("ring", "bf16", 0, 1)
     assert parse_config("reference").cache == "reference"
     assert parse_config("tp2,fused_allreduce=yes").fused_allreduce is True
+    assert parse_config("fp8-cache,adaptive_lead=true").adaptive_lead is True and not parse_config("fp8-cache").adaptive_lead
     f = tmp_path / "b.json"
     f.write_text(json.dumps({"preset": "ring-fp32", "reset_every": 3}))
     assert (parse_config(str(f)).kv_dtype, parse_config(str(f)).reset_every) == ("fp32", 3)
