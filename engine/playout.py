@@ -71,8 +71,10 @@ class PlayoutBuffer:
             self._cond.notify_all()
 
     def has_room(self) -> bool:
-        """True when the engine may start its next step."""
-        return len(self.frames) <= self.lead
+        """True when the engine may start its next step: while no more than `lead` frames wait, and while
+        playback is waiting to (re)start, until `prebuffer` frames wait (a lead shorter than prebuffer
+        would otherwise never let playback restart)."""
+        return len(self.frames) <= self.lead or (self.next_due is None and len(self.frames) < self.prebuffer)
 
     def adapt_lead(self, slowest_step_s: float, margin: float = 1.25, guard: int = 1) -> int:
         """Set the lead to cover a step as slow as `slowest_step_s` (times `margin`, plus `guard` frames):

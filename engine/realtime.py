@@ -109,6 +109,10 @@ class LocalSteps:
     def steps_done(self) -> int:
         return self.session.steps_done
 
+    @property
+    def reset_every(self) -> int:
+        return self.session.reset_every
+
     def submit(self, features: torch.Tensor, window_start: int) -> None:
         self.session.push_audio_features(features, window_start)
         self._done.append(self.codec.decode(self.session.step()).cpu().numpy())
@@ -137,6 +141,10 @@ class RemoteSteps:
     def steps_done(self) -> int:
         return self.engine.submitted
 
+    @property
+    def reset_every(self) -> int:
+        return self.engine.reset_every
+
     def submit(self, features: torch.Tensor, window_start: int) -> None:
         self.engine.submit_step(features, window_start)
 
@@ -149,9 +157,11 @@ class RealtimeCharacter:
     step t+1 is denoised while step t is decoded. Speech pushed after a step was submitted
     starts at the next step; barge-in also silences submitted steps not yet played."""
 
-    # With adaptive_lead, the playout lead follows the slowest of the last LEAD_WINDOW steps (8 s of video, so
-    # a position reset, every 42 steps, is always among them), once the window is full; the first ADAPT_AFTER
-    # steps (warm-up, graph capture) are left out. Until then the lead is the buffer's max_lead.
+    # With adaptive_lead, the playout lead follows the slowest of the last LEAD_WINDOW steps (8 s of video) or
+    # of one reset period and a few steps, whichever is longer, so a position reset is always among them, once
+    # the window is full; the first ADAPT_AFTER steps (warm-up, graph capture) are left out. Until then the
+    # lead is the buffer's max_lead. A step's time runs from room in the buffer to its frames in hand (with a
+    # step in flight, `lookahead`, that is from submitting the next one), which is what the lead must cover.
     LEAD_WINDOW, ADAPT_AFTER = 48, 8
 
     def __init__(self, session: EngineSession | None = None, codec: Codec | None = None, *,
@@ -164,8 +174,8 @@ class RealtimeCharacter:
         self.steps, self.spec, self.session = steps, steps.spec, session
         self.lookahead = lookahead
         self.adaptive_lead = adaptive_lead
-        # step times after the first ADAPT_AFTER; at least one reset period plus a few steps long
-        self._lead_window: deque[float] = deque(maxlen=max(self.LEAD_WINDOW, self.spec.reset_every + 6))
+        # step times after the first ADAPT_AFTER; at least one reset period (the session's) plus a few steps long
+        self._lead_window: deque[float] = deque(maxlen=max(self.LEAD_WINDOW, steps.reset_every + 6))
         self._warm_steps_skipped = 0
         self._pending: deque[tuple[int, list[np.ndarray]]] = deque()  # submitted steps: first frame, audio
         self.playout = playout or PlayoutBuffer(fps=self.spec.fps)
@@ -222,6 +232,7 @@ class RealtimeCharacter:
         """Submit one engine step; return the 4 frames (with their audio) of the step now due,
         or none while the first `lookahead` steps are in flight. Also usable without the loop thread."""
         spec = self.spec
+        t0 = time.perf_counter()  # the audio features count as part of the step
         with self._lock:
             first = self.steps.next_frame
             self._unsubmitted = first + spec.frames_per_latent
@@ -229,7 +240,6 @@ class RealtimeCharacter:
             features = self.timeline.features(window_start, spec.audio_window, spec.n_mels)
             self._pending.append((first, [self.timeline.frame_pcm(first + i) for i in range(spec.frames_per_latent)]))
             self.timeline.drop_before(first + spec.frames_per_latent - spec.audio_context - 1)
-        t0 = time.perf_counter()
         if self.before_step is not None:
             self.before_step(first // spec.frames_per_latent)
         self.steps.submit(features, window_start)

@@ -66,14 +66,17 @@ def test_bad_settings():
         PlayoutBuffer(fps=0)
 
 
-def simulate_adaptive(step_ms: list[float], *, max_lead: int = 7, window: int = 48, skip: int = 8) -> tuple[PlayoutBuffer, list[int]]:
-    """simulate() with the engine loop's adaptive lead (RealtimeCharacter's rule); also returns the frames
-    waiting when each step started: how long speech pushed at that moment waits before it plays."""
+def simulate_adaptive(step_ms: list[float], *, prebuffer: int = 4, max_lead: int = 7, window: int = 48, skip: int = 8,
+                      pause: tuple[float, float] | None = None) -> tuple[PlayoutBuffer, list[int], list[int]]:
+    """simulate() with the engine loop's adaptive lead (RealtimeCharacter's rule). `pause`: (start s, length s)
+    during which the consumer takes nothing (a stalled encoder, say), then catches up. Also returns the frames
+    waiting when each step started (how long speech pushed at that moment waits before it plays) and the
+    lead after each step."""
     now = [0.0]
-    buf = PlayoutBuffer(FPS, prebuffer=4, max_lead=max_lead, clock=lambda: now[0])
-    busy_until, next_step, made, seen, depths = None, 0, 0, [], []
+    buf = PlayoutBuffer(FPS, prebuffer=prebuffer, max_lead=max_lead, clock=lambda: now[0])
+    busy_until, next_step, made, seen, depths, leads = None, 0, 0, [], [], []
     video_ms = len(step_ms) * 4 * 1000 / FPS  # steps wait for playback: the run lasts at least the video it makes
-    for ms in range(int(max(sum(step_ms), video_ms)) + 1000):
+    for ms in range(int(max(sum(step_ms), video_ms)) + 2000):
         now[0] = ms / 1000
         if busy_until is not None and now[0] >= busy_until:
             buf.put(list(range(made, made + 4)))
@@ -83,14 +86,16 @@ def simulate_adaptive(step_ms: list[float], *, max_lead: int = 7, window: int = 
             recent = seen[skip:][-window:]
             if len(recent) == window:
                 buf.adapt_lead(max(recent))
+            leads.append(buf.lead)
         if busy_until is None and next_step == len(step_ms):
             break  # the last frames are in; what follows is the buffer draining, not the engine
-        buf.pop_due()
+        if pause is None or not pause[0] <= now[0] < pause[0] + pause[1]:
+            buf.pop_due()
         if busy_until is None and next_step < len(step_ms) and buf.has_room():
             depths.append(len(buf.frames))
             busy_until = now[0] + step_ms[next_step] / 1000
             next_step += 1
-    return buf, depths
+    return buf, depths, leads
 
 
 def test_the_lead_covers_the_slowest_step_with_a_margin_and_stays_within_max_lead():
@@ -103,13 +108,31 @@ def test_the_lead_covers_the_slowest_step_with_a_margin_and_stays_within_max_lea
         buf.adapt_lead(float("nan"))
 
 
-def test_a_fast_engine_keeps_a_short_lead_and_a_periodic_slow_step_is_still_absorbed():
-    # 30 ms steps with the seed's 263 ms reset step every 42 steps, over 40 s of video
-    steps = [263.0 if i % 42 == 41 else 30.0 for i in range(240)]
-    adaptive, depths = simulate_adaptive(steps)
-    assert adaptive.stats.underruns == 0 and adaptive.stats.released > 900  # five reset steps absorbed
-    assert adaptive.lead == 7  # the window holds a reset step
-    steady, steady_depths = simulate_adaptive([30.0] * 240)
-    assert steady.stats.underruns == 0 and steady.lead == 2  # 30 ms x 1.25 -> 1 frame, + 1
-    # once adapted, speech waits behind 2 frames or fewer instead of up to 7
-    assert max(steady_depths[-100:]) <= 2 and max(depths[-100:]) <= 7
+def test_a_fast_engine_keeps_a_short_lead_and_speech_waits_behind_fewer_frames():
+    steady, depths, leads = simulate_adaptive([30.0] * 240)
+    assert steady.stats.underruns == 0 and leads[-1] == 2  # 30 ms x 1.25 -> 1 frame, + 1
+    assert max(depths[-100:]) <= 2  # once adapted
+    fixed_depths = simulate_adaptive([30.0] * 240, window=10**6)[1]  # a window that never fills: the fixed lead
+    assert min(fixed_depths[-100:]) >= 4  # up to 7 wait before each step, never fewer than 4 once running
+
+
+def test_a_slow_reset_step_inside_the_window_keeps_the_whole_lead_and_a_fast_one_does_not():
+    slow_resets = [263.0 if i % 42 == 41 else 30.0 for i in range(240)]  # the seed's reset step, every 42 steps
+    buf, _, leads = simulate_adaptive(slow_resets)
+    assert buf.stats.underruns == 0 and buf.stats.released > 900  # five of them, absorbed
+    assert set(leads[56:]) == {7}  # the window always holds one, so the lead never shrinks below what it needs
+    fast_resets = [60.0 if i % 42 == 41 else 30.0 for i in range(240)]
+    buf, depths, leads = simulate_adaptive(fast_resets)
+    assert buf.stats.underruns == 0 and set(leads[56:]) == {3} and max(depths[-100:]) <= 3  # 60 ms x 1.25 -> 2, + 1
+
+
+@pytest.mark.parametrize("prebuffer", [4, 7])
+def test_playback_restarts_after_an_underrun_even_when_the_lead_is_shorter_than_the_prebuffer(prebuffer):
+    # 6 ms steps bring the lead to 2; then the consumer stalls 300 ms and, catching up, runs the buffer dry
+    buf, _, leads = simulate_adaptive([6.0] * 400, prebuffer=prebuffer, pause=(12.0, 0.3))
+    assert leads[-1] == 2 and buf.stats.underruns >= 1
+    assert buf.stats.released > 1500  # playback went on to the end: 400 steps are 1600 frames
+    refill = PlayoutBuffer(FPS, prebuffer=prebuffer, max_lead=7)
+    refill.adapt_lead(0.006)
+    refill.put([0, 1, 2, 3])
+    assert refill.has_room() == (prebuffer > 4)  # still filling up to prebuffer: room despite a lead of 2

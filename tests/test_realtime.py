@@ -141,3 +141,6 @@ def test_adaptive_lead_waits_for_a_full_window_then_follows_the_slowest_step(mod
     assert character.playout.lead == 2  # gone from it
     fixed = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=7))
     assert fixed.adaptive_lead is False and fixed.playout.lead == 7
+    rare = EngineSession(model, seed=2, reset_every=100)  # the session's own reset interval sets the window
+    rare.start(reference_latent())
+    assert RealtimeCharacter(rare, StandInCodec(TINY), adaptive_lead=True)._lead_window.maxlen == 106
