@@ -83,14 +83,21 @@ def swiglu_quant(gu: torch.Tensor):
 
 
 @triton.jit
-def _gated_sum_kernel(a, m, ga, gm, x, y, K, HAS_X: tl.constexpr, BLOCK_K: tl.constexpr):
-    row, pid = tl.program_id(0), tl.program_id(1)
-    c = pid * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = c < K
+def _gated_sum_row(a, m, ga, gm, x, row, c, ok, K, HAS_X: tl.constexpr):
+    """Columns c of row `row`: gate_a * a + gate_m * m (+ x), in float32."""
     out = (tl.load(ga + c, mask=ok, other=0.0).to(tl.float32) * tl.load(a + row * K + c, mask=ok, other=0.0).to(tl.float32)
            + tl.load(gm + c, mask=ok, other=0.0).to(tl.float32) * tl.load(m + row * K + c, mask=ok, other=0.0).to(tl.float32))
     if HAS_X:
         out += tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _gated_sum_kernel(a, m, ga, gm, x, y, K, HAS_X: tl.constexpr, BLOCK_K: tl.constexpr):
+    row, pid = tl.program_id(0), tl.program_id(1)
+    c = pid * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = c < K
+    out = _gated_sum_row(a, m, ga, gm, x, row, c, ok, K, HAS_X)
     tl.store(y + row * K + c, out.to(y.dtype.element_ty), mask=ok)
 
 
@@ -108,10 +115,7 @@ def _gated_sum_ln_quant_kernel(a, m, ga, gm, x, y, shift, scale, h8, sh, K, eps,
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_K)
     ok = c < K
-    out = (tl.load(ga + c, mask=ok, other=0.0).to(tl.float32) * tl.load(a + row * K + c, mask=ok, other=0.0).to(tl.float32)
-           + tl.load(gm + c, mask=ok, other=0.0).to(tl.float32) * tl.load(m + row * K + c, mask=ok, other=0.0).to(tl.float32))
-    out += tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
-    out = out.to(y.dtype.element_ty)
+    out = _gated_sum_row(a, m, ga, gm, x, row, c, ok, K, True).to(y.dtype.element_ty)
     tl.store(y + row * K + c, out, mask=ok)
     # the next block's LayerNorm reads the residual as stored
     _ln_mod_quant_row(out.to(tl.float32), c, ok, row, shift, scale, h8, sh, K, eps, EXACT)
