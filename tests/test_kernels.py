@@ -436,7 +436,7 @@ _HOPPER_BUILD = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.kernels.fused_block import _gated_sum_ln_quant_kernel, _ln_mod_quant_kernel
+from engine.kernels.fused_block import _gated_sum_kernel, _gated_sum_ln_quant_kernel, _ln_mod_quant_kernel
 from engine.kernels.rope_write import _write_frame_kernel
 
 hopper = GPUTarget("cuda", 90, 32)
@@ -449,7 +449,10 @@ write = {**{n: "*bf16" for n in ("q", "k", "v")}, **{n: "i32" for n in ("s_qh", 
          "vt_cache": "*fp8e4nv", "valid": "*i8", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32", "gains": "*bf16",
          "eps": "fp32", "F": "i32", "S": "i32", "H": "i32", "D": "constexpr", "BLOCK_T": "constexpr", "EXACT": "constexpr",
          "NORM": "constexpr"}
+plain_sum = {n: gated[n] for n in ("a", "m", "ga", "gm", "x", "y", "K")}
+plain_sum.update(HAS_X="constexpr", BLOCK_K="constexpr")
 for kernel, sig, const in ((_ln_mod_quant_kernel, rows, {"BLOCK_K": 8192, "EXACT": False}),
+                           (_gated_sum_kernel, plain_sum, {"HAS_X": True, "BLOCK_K": 1024}),
                            (_gated_sum_ln_quant_kernel, gated, {"BLOCK_K": 8192, "EXACT": False}),
                            (_write_frame_kernel, write, {"D": 128, "BLOCK_T": 64, "EXACT": False, "NORM": True})):
     ptx = triton.compile(ASTSource(kernel, sig, constexprs=const), target=hopper, options={"num_warps": 8}).asm["ptx"]
