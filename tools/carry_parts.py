@@ -106,35 +106,38 @@ def assemble(store: Path, out: Path) -> list[str]:
     return written
 
 
+def _deb_data(deb: Path) -> tuple[str, bytes]:
+    """The name and bytes of a .deb's data archive (its `ar` member data.tar.*)."""
+    with open(deb, "rb") as f:
+        if f.read(8) != b"!<arch>\n":
+            raise ValueError(f"{deb} is not a Debian package (no ar header)")
+        while len(header := f.read(60)) == 60:
+            name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58].decode().strip())
+            if name.startswith("data.tar"):
+                return name, f.read(size)
+            f.seek(size + size % 2, 1)  # members are 2-byte aligned
+    raise ValueError(f"{deb} has no data.tar member")
+
+
 def unpack_debs(debs: list[Path], into: Path) -> int:
-    """Extract each .deb's data archive (an `ar` member data.tar.*) under `into`; returns the files written."""
+    """Extract each .deb's data archive under `into`; returns the files written."""
     into.mkdir(parents=True, exist_ok=True)
     count = 0
     for deb in debs:
-        with open(deb, "rb") as f:
-            if f.read(8) != b"!<arch>\n":
-                raise ValueError(f"{deb} is not a Debian package (no ar header)")
-            while True:
-                header = f.read(60)
-                if len(header) < 60:
-                    raise ValueError(f"{deb} has no data.tar member")
-                name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58].decode().strip())
-                if name.startswith("data.tar"):
-                    if name.endswith(".zst"):
-                        raise ValueError(f"{deb}: {name} is zstd-compressed, which Python's tarfile cannot read")
-                    with tarfile.open(fileobj=io.BytesIO(f.read(size)), mode="r:*") as tar:
-                        members = [m for m in tar.getmembers() if not m.isdev()]
-                        for m in members:  # a link to /x points to into/x instead: the tree stands on its own
-                            if m.issym() and m.linkname.startswith("/"):
-                                here = os.path.dirname(os.path.normpath(m.name))
-                                m.linkname = os.path.relpath(m.linkname.lstrip("/") or ".", here or ".")
-                        try:  # "data": no member and no link may leave the folder
-                            tar.extractall(into, members=members, filter="data")
-                        except (tarfile.TarError, OSError) as e:
-                            raise ValueError(f"{deb}: {e}") from e
-                        count += sum(m.isfile() for m in members)
-                    break
-                f.seek(size + size % 2, 1)  # members are 2-byte aligned
+        name, data = _deb_data(deb)
+        if name.endswith(".zst"):
+            raise ValueError(f"{deb}: {name} is zstd-compressed, which Python's tarfile cannot read")
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+            members = [m for m in tar.getmembers() if not m.isdev()]
+            for m in members:  # a link to /x points to into/x instead: the tree stands on its own
+                if m.issym() and m.linkname.startswith("/"):
+                    here = os.path.dirname(os.path.normpath(m.name))
+                    m.linkname = os.path.relpath(m.linkname.lstrip("/") or ".", here or ".")
+            try:  # "data": no member and no link may leave the folder
+                tar.extractall(into, members=members, filter="data")
+            except (tarfile.TarError, OSError) as e:
+                raise ValueError(f"{deb}: {e}") from e
+            count += sum(m.isfile() for m in members)
     return count
 
 
