@@ -38,6 +38,14 @@ def delivered_turns(live) -> list[dict[str, Any]]:
     return [r for r in live.turn_records() if "client_delivered" in r["stamps"] and r.get("user_text")]
 
 
+def undelivered_turns(all_records: list[dict[str, Any]], delivered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Turns not timed, with their status: e.g. a question the end-of-turn detector split at a pause
+    leaves a first half whose reply the second half interrupted."""
+    delivered_ids = {r["turn_id"] for r in delivered}
+    return [{"turn": r["turn_id"], "transcript": r.get("user_text", ""), "status": r.get("status", "unfinished")}
+            for r in all_records if r["turn_id"] not in delivered_ids]
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
@@ -80,6 +88,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         controller.close()
         stop_server(server, thread)
     records = delivered_turns(live) if live is not None else []
+    undelivered = undelivered_turns(live.turn_records(), records) if live is not None else []
     turns = [{"turn": r["turn_id"], "transcript": r.get("user_text", ""), "reply": r.get("reply_text", ""),
               "stages_ms": {k: round(1000 * v, 1) for k, v in turn_stages(r).items()}} for r in records]
     summary = session_summary(records)
@@ -94,7 +103,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
         "load_average_before": [round(x, 2) for x in load_before],
         "utterances_asked": len(questions), "turns_measured": len(records),
-        "turns": turns,
+        "turns": turns, "turns_not_delivered": undelivered,
         "stages_s": {label: summary[key] for key, label, *_ in (*STAGES, TOTAL)},
         "target": {"metric": "end of speech -> voice at the browser, median", "limit_s": TARGET_S,
                    "applies_to": "one GPU, demo spec, default agent", "median_s": total.get("median"),

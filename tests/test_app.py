@@ -89,6 +89,19 @@ def test_a_turn_still_in_flight_shows_its_missing_stages_as_dashes():
 
 
 # Recording -----------------------------------------------------------------------------------------
+def test_the_bench_lists_the_turns_it_did_not_time_with_their_status():
+    from app.bench import undelivered_turns
+
+    records = [{"turn_id": 1, "user_text": "What is your name?", "status": "completed", "stamps": {"client_delivered": 1.0}},
+               {"turn_id": 2, "user_text": "My favourite colour is green", "status": "interrupted", "stamps": {}},
+               {"turn_id": 3, "user_text": "what is yours?", "stamps": {"client_delivered": 2.0}},
+               {"turn_id": 4, "user_text": "Do you", "stamps": {}}]
+    delivered = [records[0], records[2]]
+    assert undelivered_turns(records, delivered) == [
+        {"turn": 2, "transcript": "My favourite colour is green", "status": "interrupted"},
+        {"turn": 4, "transcript": "Do you", "status": "unfinished"}]
+
+
 def test_recording_survives_and_lists(tmp_path):
     rec = SessionRecorder(tmp_path, "abc", fps=24, size=(32, 32), meta={"preset": "mika"})
     for i in range(48):

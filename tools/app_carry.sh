@@ -9,7 +9,7 @@
 # PY=3.11 SKIP_IMAGE=0 makes the same set for a clean local venv (a dry run of the recipe on this machine).
 set -euo pipefail
 PY=${PY:-3.12}
-PART_MIB=${PART_MIB:-23}  # the tracked tree is about 41 MiB of the 64 MiB a call carries
+PART_MIB=${PART_MIB:-20}  # the tracked tree is about 41 MiB of the 64 MiB a call carries
 FILES=.carry/app-files
 rm -rf "$FILES" .carry/app && mkdir -p "$FILES"
 python3 -m pip download -q --only-binary=:all: --python-version "$PY" --implementation cp \

@@ -77,7 +77,9 @@ for part in $parts; do
       && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/app-files/*.whl \
       && rm -rf /tmp/chromium && python3 tools/carry_parts.py unpack-debs /tmp/app-files/*.deb --into /tmp/chromium || exit 1
     # The carried libraries for the browser alone (a wrapper sets them), not for this Python and its torch.
-    printf '#!/bin/sh\nexport LD_LIBRARY_PATH=/tmp/chromium/usr/lib/x86_64-linux-gnu:/tmp/chromium/usr/lib/x86_64-linux-gnu/pulseaudio:/tmp/chromium/lib/x86_64-linux-gnu FONTCONFIG_PATH=/tmp/chromium/etc/fonts\nexec /tmp/chromium/usr/lib/chromium/chromium-headless-shell "$@"\n' > /tmp/chromium/shell
+    # Fontconfig must find the carried fonts, or Skia aborts the browser at its first text.
+    printf '<?xml version="1.0"?>\n<fontconfig><dir>/tmp/chromium/usr/share/fonts</dir><cachedir>/tmp/chromium/fc-cache</cachedir></fontconfig>\n' > /tmp/chromium/fonts.conf
+    printf '#!/bin/sh\nexport LD_LIBRARY_PATH=/tmp/chromium/usr/lib/x86_64-linux-gnu:/tmp/chromium/usr/lib/x86_64-linux-gnu/pulseaudio:/tmp/chromium/lib/x86_64-linux-gnu FONTCONFIG_FILE=/tmp/chromium/fonts.conf\nexec /tmp/chromium/usr/lib/chromium/chromium-headless-shell "$@"\n' > /tmp/chromium/shell
     chmod +x /tmp/chromium/shell
     TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py --first /tmp/site app.bench ${APP_ARGS:---device cuda} \
       --utterances "${APP_UTTERANCES:-5}" --json > "$OUT/app_bench_demo_h200.json" && cat "$OUT/app_bench_demo_h200.json"
