@@ -17,7 +17,7 @@ from engine.character import reference_image
 from engine.config import ModelSpec, get_spec
 from engine.playout import PlayoutBuffer
 from engine.realtime import LocalSteps, RealtimeCharacter, RemoteSteps
-from engine.session import EngineSession
+from engine.session import EngineSession, pick_backend
 from engine.weights import load_engine, pick_device
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,10 @@ class EngineHost:
         self.model = model.to(self.device, dtype) if self.placement is None else None
         if self.model is not None:
             self.codec = self.codec.to(self.device)
+        self.cuda_graph = self.model is not None and self.device.type == "cuda" and config.cuda_graph
+        if self.cuda_graph and pick_backend("auto", self.device, "ring", "fp8", self.spec.reset_every) != "triton":
+            log.warning("CUDA graph off: it needs the Triton backend, which this machine lacks")
+            self.cuda_graph = False
         self._spare = None
         self._spare_lock = threading.Lock()
         if self.placement is not None:
@@ -61,7 +65,7 @@ class EngineHost:
     @property
     def placement_text(self) -> str:
         if self.placement is None:
-            return f"one process on {self.device}"
+            return f"one process on {self.device}" + (", CUDA graph" if self.cuda_graph else "")
         p = self.placement
         where = f"GPUs {list(p.diffusion)}" if p.diffusion else f"{p.tp} CPU process(es)"
         return f"diffusion on {where}, decoders on {list(p.decoders) or 'the first diffusion device'}"
@@ -98,7 +102,8 @@ class EngineHost:
         if self.placement is None:
             # FP8 keys and values pay off on GPUs; on the CPU, with no hardware e4m3 conversion, they only
             # add a conversion of the whole window at every attention call.
-            session = EngineSession(self.model, kv_dtype="fp8" if self.device.type == "cuda" else "fp32")
+            session = EngineSession(self.model, kv_dtype="fp8" if self.device.type == "cuda" else "fp32",
+                                    cuda_graph=self.cuda_graph)
             session.start(reference)
             character = RealtimeCharacter(steps=LocalSteps(session, self.codec), playout=playout,
                                           adaptive_lead=self.config.adaptive_lead)
