@@ -208,9 +208,11 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
     return run
 
 
-def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor, head_norm=None) -> Callable[[], None]:
+def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor, head_norm=None,
+                   **write_options) -> Callable[[], None]:
     """One step of the triton ring's upkeep: the sink re-derived once, then a frame write per attention call
-    (with `head_norm`, applying the q, k, v head norms as the serving block has it do)."""
+    (with `head_norm`, applying the q, k, v head norms as the serving block has it do; `write_options`,
+    the write's launch settings, e.g. block_t and num_warps)."""
     from engine.kernels.rope_write import rope_store, write_frame
 
     L, H, S, D = cache.k.shape
@@ -222,7 +224,7 @@ def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor, head_no
             for layer in range(L):
                 write_frame(q, q, q, cache._frame_cos, cache._frame_sin, cache.pos_idx, cache.slot, cache.q8,
                             cache.k[layer], cache.vt[layer], cache.valid, cache.q_scale[layer],
-                            cache.k_scale[layer], cache.v_scale[layer], head_norm=head_norm)
+                            cache.k_scale[layer], cache.v_scale[layer], head_norm=head_norm, **write_options)
 
     return upkeep
 
@@ -341,6 +343,9 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                                         cache.v_scale[layer], cache.out)
 
             out["cache_upkeep_ms"] = time_part(upkeep)
+            # the frame write with the token blocks it had before (64 rows, 4 warps; now 16 rows, 8 warps)
+            out["cache_upkeep_ms_write_blocks_of_64"] = time_part(
+                _triton_upkeep(cache, full, q, head_norm=(_stacked_gains(b0), b0.q_norm.eps), block_t=64, num_warps=4))
             out["attention_ms"] = time_part(attend)
             out["reset_rotation_ms"] = statistics.median(time_ms(
                 lambda: delta_rotate(cache.k.view(L * Hh, S, D), cache._reset_cos_t, cache._reset_sin_t,

@@ -394,6 +394,10 @@ def main() -> None:
             out += ["With the Triton FP8 attention kernel instead of the warp-specialised one "
                     "(`--attention-options '{\"kernel\": \"triton\"}'`; same weights, same run): "
                     f"{ms(s['step_ms_with_triton_attention'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+        if "cache_upkeep_ms_write_blocks_of_64" in s:
+            out += ["With the frame write in blocks of 64 rows and 4 warps (its setting before; now 16 rows, 8 warps; "
+                    f"same run): cache upkeep {s['cache_upkeep_ms_write_blocks_of_64']:.2f} ms per step, against "
+                    f"{s['cache_upkeep_ms']:.2f} ms above.", ""]
         no_ws, ws = load("step_57b_tp3_h200_gemm_workspace_0.json"), load("step_57b_tp3_h200_gemm_workspace_1024.json")
         if no_ws and ws:
             out += ["cuBLASLt's workspace: the engine runs it at 0 KiB (`CUBLASLT_WORKSPACE_SIZE=0`, set when the FP8 linears "

@@ -37,18 +37,18 @@ def _load_rows(src, s_tok, tok, t_ok, gain, eps, D: tl.constexpr, NORM: tl.const
 
 
 @triton.jit
-def _rope_quant(src, s_tok, tok, t_ok, cos_base, sin_base, D: tl.constexpr, scale, EXACT: tl.constexpr,
-                gain=None, eps=0.0, NORM: tl.constexpr = False):
-    """Rows `tok` of src (tokens, D), rotated and quantised: (BLOCK_T, D) e4m3, pairs interleaved as stored."""
-    HALF: tl.constexpr = D // 2
-    j = tl.arange(0, HALF)
-    m = t_ok[:, None]
-    x = _load_rows(src, s_tok, tok, t_ok, gain, eps, D, NORM, EXACT)
-    a, b = tl.split(tl.reshape(x, (x.shape[0], HALF, 2)))
-    cs = tok[:, None] * HALF + j[None, :]
-    c = tl.load(cos_base + cs, mask=m, other=1.0)
-    s = tl.load(sin_base + cs, mask=m, other=0.0)
+def _rotate_quant(x, c, s, scale, EXACT: tl.constexpr):
+    """Rows x (BLOCK_T, D) rotated by cos/sin (BLOCK_T, D/2) and quantised: e4m3, pairs interleaved as stored."""
+    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
     return to_fp8(tl.interleave((a * c - b * s) / scale, (a * s + b * c) / scale), EXACT)
+
+
+@triton.jit
+def _angles(cos_base, sin_base, tok, t_ok, D: tl.constexpr):
+    """cos and sin (BLOCK_T, D/2) of tokens `tok` from one position's tables (tokens, D/2)."""
+    HALF: tl.constexpr = D // 2
+    cs = tok[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    return tl.load(cos_base + cs, mask=t_ok[:, None], other=1.0), tl.load(sin_base + cs, mask=t_ok[:, None], other=0.0)
 
 
 @triton.jit
@@ -68,15 +68,17 @@ def _write_frame_kernel(
     start = tl.load(slot)
     d = tl.arange(0, D)
     m = t_ok[:, None]
-    q_rot = _rope_quant(q + h * s_qh, s_qt, tok, t_ok, cos + table, sin + table, D, tl.load(q_scale + h), EXACT,
-                        gains + h * D, eps, NORM)
-    tl.store(q8 + h * F * D + tok[:, None] * D + d[None, :], q_rot, mask=m)
-    k_rot = _rope_quant(k + h * s_kh, s_kt, tok, t_ok, cos + table, sin + table, D, tl.load(k_scale + h), EXACT,
-                        gains + (H + h) * D, eps, NORM)
-    tl.store(k_cache + h * S * D + (start + tok)[:, None] * D + d[None, :], k_rot, mask=m)
+    # Every read first, then the arithmetic and the stores: the three row loads are in flight together
+    # (a store between them would keep the compiler from hoisting the later loads above it).
+    xq = _load_rows(q + h * s_qh, s_qt, tok, t_ok, gains + h * D, eps, D, NORM, EXACT)
+    xk = _load_rows(k + h * s_kh, s_kt, tok, t_ok, gains + (H + h) * D, eps, D, NORM, EXACT)
+    xv = _load_rows(v + h * s_vh, s_vt, tok, t_ok, gains + (2 * H + h) * D, eps, D, NORM, EXACT)
+    c, s = _angles(cos + table, sin + table, tok, t_ok, D)  # shared by q and k
+    tl.store(q8 + h * F * D + tok[:, None] * D + d[None, :], _rotate_quant(xq, c, s, tl.load(q_scale + h), EXACT), mask=m)
+    tl.store(k_cache + h * S * D + (start + tok)[:, None] * D + d[None, :], _rotate_quant(xk, c, s, tl.load(k_scale + h), EXACT),
+             mask=m)
     # v goes to the transposed cache: store the (D, BLOCK_T) transpose so writes run along slots
-    vv = _load_rows(v + h * s_vh, s_vt, tok, t_ok, gains + (2 * H + h) * D, eps, D, NORM, EXACT)
-    v8 = tl.trans(to_fp8(vv / tl.load(v_scale + h), EXACT))
+    v8 = tl.trans(to_fp8(xv / tl.load(v_scale + h), EXACT))
     tl.store(vt_cache + h * D * S + d[:, None] * S + (start + tok)[None, :], v8, mask=t_ok[None, :])
     if h == 0:
         tl.store(valid + start + tok, tl.full((BLOCK_T,), 1, tl.int8), mask=t_ok)
@@ -85,11 +87,14 @@ def _write_frame_kernel(
 def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pos_idx: torch.Tensor, slot: torch.Tensor, q8: torch.Tensor, k_cache: torch.Tensor,
                 vt_cache: torch.Tensor, valid: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
-                v_scale: torch.Tensor, head_norm: tuple[torch.Tensor, float] | None = None, block_t: int = 64) -> None:
+                v_scale: torch.Tensor, head_norm: tuple[torch.Tensor, float] | None = None, block_t: int = 16,
+                num_warps: int = 8) -> None:
     """q, k, v (H, F, D) -> q8 (H, F, D), k_cache (H, S, D) and vt_cache (H, D, S) rows/cols at `slot`.
 
     With `head_norm` ((3, H, D) gains of q, k, v; eps), q, k, v are raw projections (any strides with a
-    contiguous last dim, e.g. views of the (F, 3*H*D) QKV output) and get their per-head RMS norms here."""
+    contiguous last dim, e.g. views of the (F, 3*H*D) QKV output) and get their per-head RMS norms here.
+    Small token blocks (16 rows, 8 warps) keep more rows in flight across the SMs than blocks of 64
+    (`engine.bench step` times the cache upkeep both ways)."""
     H, F, D = k.shape
     S = k_cache.shape[1]
     for x in (q, k, v):
@@ -101,7 +106,7 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     _write_frame_kernel[grid](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos, sin, pos_idx, slot, q8, k_cache, vt_cache, valid, q_scale, k_scale, v_scale, gains, eps, F, S, H,
-        D=D, BLOCK_T=block_t, EXACT=interpreting(), NORM=head_norm is not None,
+        D=D, BLOCK_T=block_t, EXACT=interpreting(), NORM=head_norm is not None, num_warps=num_warps,
     )
 
 
@@ -111,7 +116,9 @@ def _rope_store_kernel(src, cos, sin, pos_idx, dst, scale, N, S, D: tl.constexpr
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tok < N
     table = tl.load(pos_idx) * N * (D // 2)
-    rot = _rope_quant(src + r * N * D, D, tok, t_ok, cos + table, sin + table, D, tl.load(scale + r), EXACT)
+    x = _load_rows(src + r * N * D, D, tok, t_ok, scale, 0.0, D, False, EXACT)
+    c, s = _angles(cos + table, sin + table, tok, t_ok, D)
+    rot = _rotate_quant(x, c, s, tl.load(scale + r), EXACT)
     d = tl.arange(0, D)
     tl.store(dst + r * S * D + tok[:, None] * D + d[None, :], rot, mask=t_ok[:, None])
 
