@@ -37,6 +37,16 @@ def test_bench_cache_prints_one_json_object():
     assert result["speedup"] == pytest.approx(result["naive_ms"] / result["ring_ms"])
 
 
+def test_attention_bench_never_picks_a_fast_configuration_that_is_wrong():
+    from engine.bench import fastest_correct
+
+    configs = [{"kernel": "ws", "us": 66.0, "rel_err": 1.07}, {"kernel": "ws", "us": 68.0, "rel_err": 0.025},
+               {"kernel": "triton", "error": "OutOfResources"}, {"kernel": "triton", "us": 80.0, "rel_err": 0.02}]
+    assert fastest_correct(configs) == configs[1]
+    with pytest.raises(RuntimeError, match="no attention configuration matched the reference"):
+        fastest_correct([configs[0], configs[2]])
+
+
 def test_generate_writes_a_playable_mp4_with_audio(tmp_path):
     wav, mp4 = tmp_path / "in.wav", tmp_path / "out.mp4"
     write_wav(wav, 1.0, rate=22_050, channels=2)
