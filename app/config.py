@@ -33,7 +33,7 @@ class AppConfig:
     tp: int | None = None  # without GPUs: tensor-parallel degree in CPU processes
     max_lead: int = 7  # playout buffer: frames the engine may run ahead (at most)
     adaptive_lead: bool = True  # keep only the lead the engine's recent steps need (engine/playout.py)
-    cuda_graph: bool = True  # on one GPU, replay the engine's step as a CUDA graph (needs Triton)
+    cuda_graph: bool = True  # replay the engine's step as a CUDA graph on a GPU (one diffusion process; needs Triton)
     prebuffer: int = 4  # playout buffer: frames waiting before playback (re)starts
     preset: str = "ada"
     session_log: str | None = None  # per-session fps log (default: engine.sessions.default_log())

@@ -35,10 +35,7 @@ class EngineHost:
         self.model = model.to(self.device, dtype) if self.placement is None else None
         if self.model is not None:
             self.codec = self.codec.to(self.device)
-        self.cuda_graph = self.model is not None and self.device.type == "cuda" and config.cuda_graph
-        if self.cuda_graph and pick_backend("auto", self.device, "ring", "fp8", self.spec.reset_every) != "triton":
-            log.warning("CUDA graph off: it needs the Triton backend, which this machine lacks")
-            self.cuda_graph = False
+        self.cuda_graph = self._graph_replay()
         self._spare = None
         self._spare_lock = threading.Lock()
         if self.placement is not None:
@@ -62,18 +59,31 @@ class EngineHost:
             return None
         return Placement.plan(c.gpus, c.decoder_gpu, visible=visible, n_heads=self.spec.n_heads)
 
+    def _graph_replay(self) -> bool:
+        """Whether the engine's step replays as a CUDA graph: asked for, on GPUs, with one diffusion process
+        (tensor-parallel ranks step eagerly: their all-reduces are not captured) and the Triton backend."""
+        p = self.placement
+        if not self.config.cuda_graph or self.device.type != "cuda" or (p is not None and p.tp != 1):
+            return False
+        if pick_backend("auto", self.device, "ring", "fp8", self.spec.reset_every) != "triton":
+            log.warning("CUDA graph off: it needs the Triton backend, which this machine lacks")
+            return False
+        return True
+
     @property
     def placement_text(self) -> str:
+        graph = ", CUDA graph" if self.cuda_graph else ""
         if self.placement is None:
-            return f"one process on {self.device}" + (", CUDA graph" if self.cuda_graph else "")
+            return f"one process on {self.device}{graph}"
         p = self.placement
         where = f"GPUs {list(p.diffusion)}" if p.diffusion else f"{p.tp} CPU process(es)"
-        return f"diffusion on {where}, decoders on {list(p.decoders) or 'the first diffusion device'}"
+        return f"diffusion on {where}, decoders on {list(p.decoders) or 'the first diffusion device'}{graph}"
 
     def _new_distributed(self):
         from engine.distributed import DistributedEngine
 
-        return DistributedEngine(self.spec, self.placement, weights=self.config.weights, seed=0)
+        return DistributedEngine(self.spec, self.placement, weights=self.config.weights, seed=0,
+                                 session={"cuda_graph": True} if self.cuda_graph else None)
 
     def _take_distributed(self):
         with self._spare_lock:

@@ -89,6 +89,28 @@ def test_a_turn_still_in_flight_shows_its_missing_stages_as_dashes():
 
 
 # Recording -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("asked, device, placement, backend, replays", [
+    (True, "cuda", None, "triton", True),  # one GPU, this process
+    (True, "cuda", (0,), "triton", True),  # diffusion on GPU 0, decoder on GPU 1
+    (True, "cuda", (0, 1), "triton", False),  # tensor-parallel ranks step eagerly
+    (True, "cuda", None, "torch", False),  # no Triton: no graph
+    (True, "cpu", None, "torch", False),
+    (False, "cuda", None, "triton", False)])
+def test_the_engine_step_replays_as_a_cuda_graph_only_where_it_can(monkeypatch, asked, device, placement, backend, replays):
+    from types import SimpleNamespace
+
+    import torch
+
+    import app.engine_host as host
+    from engine.config import get_spec
+    from engine.distributed import Placement
+
+    monkeypatch.setattr(host, "pick_backend", lambda *args: backend)
+    fake = SimpleNamespace(config=AppConfig(cuda_graph=asked), device=torch.device(device), spec=get_spec("demo"),
+                           placement=None if placement is None else Placement(diffusion=placement, decoders=(2,)))
+    assert host.EngineHost._graph_replay(fake) is replays
+
+
 def test_the_bench_lists_the_turns_it_did_not_time_with_their_status():
     from app.bench import undelivered_turns
 
