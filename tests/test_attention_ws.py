@@ -39,10 +39,11 @@ def spill_store_bytes(ptx: str) -> int:
 
 
 # (block_m, block_n, stages, head_dim), and the spill stores measured when written: a guard against growth
-@pytest.mark.parametrize("block_m, block_n, stages, head_dim, spills", [(64, 128, 3, 128, 64), (128, 128, 2, 128, 88),
-                                                                        (64, 64, 4, 128, 0), (64, 128, 3, 64, 0)])
-def test_builds_for_hopper_with_async_tensor_cores_and_few_spills(block_m, block_n, stages, head_dim, spills):
-    kernel = compile_for_hopper(head_dim, block_m=block_m, block_n=block_n, stages=stages)
+@pytest.mark.parametrize("block_m, block_n, stages, head_dim, pingpong, spills", [
+    (64, 128, 3, 128, False, 64), (128, 128, 2, 128, False, 88), (64, 64, 4, 128, False, 0), (64, 128, 3, 64, False, 0),
+    (128, 128, 2, 128, True, 88)])
+def test_builds_for_hopper_with_async_tensor_cores_and_few_spills(block_m, block_n, stages, head_dim, pingpong, spills):
+    kernel = compile_for_hopper(head_dim, block_m=block_m, block_n=block_n, stages=stages, pingpong=pingpong)
     ptx = kernel.asm["ptx"]
     assert ".target sm_90a" in ptx
     assert ptx.count("wgmma.mma_async") > 0 and "wgmma.wait_group.sync.aligned 1" in ptx  # q·kᵀ waited on, P·V in flight
@@ -63,6 +64,8 @@ def test_refuses_shapes_it_cannot_run():
         WarpSpecializedFP8Attention(2, 70, 300, 128)
     with pytest.raises(ValueError, match="head_dim must be 32, 64 or 128"):
         WarpSpecializedFP8Attention(2, 70, 320, 16)
+    with pytest.raises(ValueError, match="pingpong takes two consumer warpgroups: block_m 128"):
+        WarpSpecializedFP8Attention(2, 70, 320, 128, block_m=64, pingpong=True)
 
 
 def test_kernel_choice():
@@ -90,14 +93,15 @@ def test_marks_only_fully_live_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-@pytest.mark.parametrize("block_m, block_n, stages, S, marked, D", [
-    (64, 128, 3, 320, True, 128), (64, 128, 2, 5824, True, 128), (64, 128, 2, 5824, False, 128),
-    (128, 128, 2, 320, True, 128), (128, 128, 2, 1024, True, 128), (64, 64, 4, 512, True, 128), (64, 64, 6, 336, True, 128),
-    (64, 128, 3, 1024, True, 64)])
-def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S, marked, D):
+@pytest.mark.parametrize("block_m, block_n, stages, S, marked, D, pingpong", [
+    (64, 128, 3, 320, True, 128, False), (64, 128, 2, 5824, True, 128, False), (64, 128, 2, 5824, False, 128, False),
+    (128, 128, 2, 320, True, 128, False), (128, 128, 2, 1024, True, 128, False), (64, 64, 4, 512, True, 128, False),
+    (64, 64, 6, 336, True, 128, False), (64, 128, 3, 1024, True, 64, False),
+    (128, 128, 2, 320, True, 128, True), (128, 128, 2, 5824, False, 128, True), (128, 128, 3, 1024, True, 64, True)])
+def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S, marked, D, pingpong):
     """S = 320 leaves a partial last tile (slots past S masked, the next head's K rows read and ignored);
     M = 70 a partial query tile; the empty ring slots are masked; D = 64 is the demo model's head. Marked: tiles known fully live skip
-    the mask; unmarked, every tile is masked."""
+    the mask; unmarked, every tile is masked. pingpong: the two consumer warpgroups issue their products in turns."""
     g = torch.Generator().manual_seed(1)
     H, M, dev = 3, 70, torch.device("cuda")
     rms = lambda *shape: rms_heads(g, *shape).to(dev)
@@ -107,7 +111,8 @@ def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S
     valid = torch.ones(S, dtype=torch.int8, device=dev)
     valid[40:130] = 0
     out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
-    attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=block_n, stages=stages)
+    attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=block_n, stages=stages,
+                                            pingpong=pingpong)
     if marked:
         attention.mark_live_tiles(valid)
         assert (attention.tile_live.sum().item() > 0) == (S != 320)  # the unmasked path runs too

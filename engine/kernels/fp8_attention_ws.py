@@ -10,7 +10,8 @@ FlashAttention-3 schedules it, which Triton's own pipeliner does not:
   block i are issued together, and the softmax of block i+1 runs while P·V of block i is in flight;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
-  own that share every K/V tile (half the tile traffic, more registers each; it measured no faster).
+  own that share every K/V tile (half the tile traffic, more registers each; it measured no faster),
+  optionally issuing their products in turns (`pingpong`, FlashAttention-3's schedule; no faster here either).
 
 Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py.
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
@@ -70,9 +71,10 @@ def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live, qk_scale, v_scale,
-              out, s_om, h, off_m, M, S, n_blocks, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, valid, tile_live,
+              qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr,
+              num_warps: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -96,10 +98,18 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         nxt = (i + 1) % STAGES
         live_next = gl.load(tile_live + i + 1)  # issued early: its latency hides behind the products
         mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        mbarrier.wait(v_ready.index(cur), (i // STAGES) & 1)
-        o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
+        if PINGPONG:  # the two consumers take turns to issue their products: one's softmax runs under the other's
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            mbarrier.wait(v_ready.index(cur), (i // STAGES) & 1)
+            mbarrier.wait(my_turn, (i + FIRST) & 1)  # the first consumer's first turn passes at once (fresh barrier)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
+            mbarrier.arrive(their_turn, count=1)
+        else:
+            s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            mbarrier.wait(v_ready.index(cur), (i // STAGES) & 1)
+            o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # q·kᵀ done; P·V may still run under the softmax below
         mbarrier.arrive(k_empty.index(nxt), count=1)
         p, m_i, l_i, alpha = _softmax_block(s, valid, live_next, i + 1, S, scale, m_i, l_i, BLOCK_N, s_layout)
@@ -122,7 +132,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 @gluon.jit
 def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, M, S,
                     D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     pid_m, h = gl.program_id(0), gl.program_id(1)
     off_m = pid_m * BLOCK_M
     n_blocks = (S + BLOCK_N - 1) // BLOCK_N
@@ -136,6 +146,13 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    if PINGPONG:  # whose turn it is to issue products: the first consumer's, then the second's
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
+        turn_a, turn_b = turns.index(0), turns.index(1)
+    else:  # never waited on
+        turn_a, turn_b = q_bar, q_bar
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)  # a stage is free once every consumer is done with it
@@ -145,17 +162,20 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
     # fills past the end); K as (H*S, D) likewise, the slots past S masked; Vᵀ as (H*D, S).
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live, qk_scale,
-                         v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES, num_warps)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a, turn_b, valid,
+                         tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES,
+                         False, 1, num_warps)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [1], [24])
     else:  # two consumer warpgroups in their own partitions: each issues its products and softmax on its own schedule
         gl.warp_specialize([
-            (_consumer, (q_smem.slice(0, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live,
-                         qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES, num_warps)),
-            (_consumer, (q_smem.slice(64, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, valid, tile_live,
-                         qk_scale, v_scale, out, s_om, h, off_m + 64, M, S, n_blocks, D, 64, BLOCK_N, STAGES, 4)),
+            (_consumer, (q_smem.slice(0, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a,
+                         turn_b, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64,
+                         BLOCK_N, STAGES, PINGPONG, 1, num_warps)),
+            (_consumer, (q_smem.slice(64, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_b,
+                         turn_a, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m + 64, M, S, n_blocks, D,
+                         64, BLOCK_N, STAGES, PINGPONG, 0, 4)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -175,7 +195,8 @@ class WarpSpecializedFP8Attention:
     sharing each K/V tile (half the tile traffic), one program per SM with more registers each."""
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device=None,
-                 block_m: int = 64, block_n: int = 128, stages: int = 3, maxnreg: int | None = None):
+                 block_m: int = 64, block_n: int = 128, stages: int = 3, maxnreg: int | None = None,
+                 pingpong: bool = False):
         if head_dim not in (32, 64, 128):  # the P·V product's N; TMA rows of at least 32 bytes
             raise ValueError(f"head_dim must be 32, 64 or 128 for the warp-specialised kernel, got {head_dim}")
         if block_m not in (64, 128):
@@ -187,7 +208,10 @@ class WarpSpecializedFP8Attention:
         if n_slots % 16:
             raise ValueError(f"the slots ({n_slots}) must be a multiple of 16 (TMA rows of 16 bytes)")
         self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
+        if pingpong and block_m != 128:
+            raise ValueError("pingpong takes two consumer warpgroups: block_m 128")
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
+        self.pingpong = pingpong  # the two consumers issue their products in turns (FlashAttention-3's ping-pong)
         self.num_warps = 4  # the default partition: one consumer warpgroup
         # block_m 128 launches 12 warps (partitions come in warpgroups): 168 registers each fill the register
         # file; then the producer's warpgroup gives its registers to the consumer warpgroup in a partition of its own.
@@ -210,7 +234,7 @@ class WarpSpecializedFP8Attention:
         _attn_ws_kernel[(triton.cdiv(M, self.block_m), H)](
             q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
-            num_warps=self.num_warps, maxnreg=self.maxnreg)
+            PINGPONG=self.pingpong, num_warps=self.num_warps, maxnreg=self.maxnreg)
         return out
 
     def descriptors(self, q8, k8, vt8) -> tuple:
@@ -228,7 +252,7 @@ class WarpSpecializedFP8Attention:
 
 
 def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 128, stages: int = 3,
-                       maxnreg: int | None = None):
+                       maxnreg: int | None = None, pingpong: bool = False):
     """Build the kernel for sm_90a on any machine, GPU or not (Triton ships ptxas): the compiled
     kernel, its PTX under `.asm["ptx"]`. The launch signature depends on tile shapes only."""
     import torch
@@ -237,15 +261,15 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
     from triton.runtime.jit import mangle_type
 
     att = WarpSpecializedFP8Attention(1, block_m, block_n, head_dim, block_m=block_m, block_n=block_n, stages=stages,
-                                      maxnreg=maxnreg)
+                                      maxnreg=maxnreg, pingpong=pingpong)
     fp8 = torch.float8_e4m3fn
     descs = att.descriptors(torch.zeros(1, block_m, head_dim, dtype=fp8), torch.zeros(1, block_n, head_dim, dtype=fp8),
                             torch.zeros(1, head_dim, block_n, dtype=fp8))
     signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]), "vt_desc": mangle_type(descs[2]),
                  "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*bf16", "s_om": "i32", "M": "i32",
                  "S": "i32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
-                 "CONSUMER_REGS": "constexpr", "num_warps": "constexpr"}
+                 "CONSUMER_REGS": "constexpr", "PINGPONG": "constexpr", "num_warps": "constexpr"}
     constants = {"D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                 "CONSUMER_REGS": att.consumer_regs, "num_warps": att.num_warps}
+                 "CONSUMER_REGS": att.consumer_regs, "PINGPONG": pingpong, "num_warps": att.num_warps}
     return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg})
