@@ -287,8 +287,29 @@ def ncu_summary(name: str) -> str | None:
             f"output `docs/results/{name}`; profiled at the tool's locked {found['clock']} GHz, so {found['us']} us): the tensor "
             f"pipe busy {found['tensor']}% of the time, instructions issued in {found['busy']}% of scheduler cycles, no warp "
             f"ready to issue in {found['idle']}%; the stall it singles out is warps waiting at a warpgroup barrier ({found['barrier']}% "
-            "of stall cycles; Gluon syncs the warpgroup before each barrier arrive). Profiled before the tile-flag loads were "
-            "issued ahead of the products, which measured the same.")
+            "of stall cycles). Profiled before the tile-flag loads were issued ahead of the products, which measured the same.")
+
+
+def ncu_source_summary(name: str) -> str | None:
+    """The same kernel per instruction: where the consumer's loop stalls, and what the rest of the samples are."""
+    path = RESULTS / name
+    if not path.is_file():
+        return None
+    from ncu_sass_summary import summary  # tools/, beside this script
+
+    r = summary(path)
+    loop, rest = r["loop"], r["rest"]
+    stalls = ", ".join(f"{k} {v:.0%}" for k, v in list(loop["stalls"].items())[:4])
+    ops = ", ".join(f"{n} {op}" for op, n in list(loop["opcodes"].items())[:9])
+    once = rest["top"][:2]
+    return (f"Per instruction (`bash tools/gpu_suite.sh attention-ncu-source`, then `python tools/ncu_sass_summary.py "
+            f"docs/results/{name}`): the consumer's loop body ({loop['instructions']} instructions, run once per K/V block "
+            f"per warp) holds {loop['share_of_samples']:.0%} of the stall samples; in it: {stalls} (\"selected\" is issuing; "
+            f"\"barrier\" there is waiting for the tensor cores' results). Per block and warp it runs {ops}. The other "
+            f"{rest['share_of_samples']:.0%} of the samples are mostly warps parked at a barrier outside the loop: two "
+            f"instructions run {once[0]['executed']:.0f} and {once[1]['executed']:.0f} times in the whole call (once or twice "
+            f"per program) hold {once[0]['share_of_samples'] + once[1]['share_of_samples']:.0%} of all samples, so the "
+            "barrier share in the summary above is not the consumer's.")
 
 
 def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None = None) -> list[str]:
@@ -495,15 +516,17 @@ def main() -> None:
             out += [f"Of the {len(triton_configs)} Triton-kernel configurations swept, the fastest with each option: "
                     + "; ".join(f"{label} {us:.1f} us" for label, us in found) + ".", ""]
         ncu = ncu_summary("ncu_attention_ws_h200.txt")
-        if ncu:
-            out += [ncu, ""]
+        source = ncu_source_summary("ncu_attention_ws_sass_h200.csv.gz")
+        out += [text for part in (ncu, source) if part for text in (part, "")]
         ws = [c for c in att["configs"] if c.get("kernel") == "ws" and "us" in c]
         if ws:
             out += ["The warp-specialised kernel (`engine/kernels/fp8_attention_ws.py`: a producer warp streams K and Vᵀ "
                     "tiles by TMA; a consumer warpgroup has q·kᵀ of the next tile in flight under its softmax; at block_m 64 "
                     "two programs share an SM, at 128 one program runs two consumer warpgroups sharing each K/V tile) by "
                     "tile shape and pipeline depth: "
-                    + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages: {c['us']:.1f} us" for c in ws) + ".", ""]
+                    + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages{', ping-pong' if c.get('pingpong') else ''}: "
+                                f"{c['us']:.1f} us" for c in ws) + ". Ping-pong: the two consumer warpgroups of a 128-row program "
+                    "issue their products in turns (FlashAttention-3's schedule), so one's softmax runs under the other's products.", ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:
         out += ["## Step period with the decoder in its own process", "",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
+#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
 # soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
 # two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1; compare-x2:
 # the tensor-parallel and fused all-reduce paths against the rerun band).
@@ -88,6 +88,12 @@ for part in $parts; do
     run ncu -k regex:_attn_ws_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
       env PYTHONPATH=. python3 tools/attn_probe.py '[{"kernel":"ws","block_m":64,"block_n":128,"stages":3}]' > "$OUT/ncu_attention_ws.txt" 2>&1
+  fi
+  if [[ $part == attention-ncu-source ]]; then  # per-instruction stall samples of the same call, as CSV (tools/ncu_sass_summary.py)
+    run ncu -k regex:_attn_ws_kernel --launch-skip 2 --launch-count 1 --section SourceCounters --section WarpStateStats \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis -o /tmp/attn_src -f \
+      env PYTHONPATH=. python3 tools/attn_probe.py '[{"kernel":"ws","block_m":64,"block_n":128,"stages":3}]' > /dev/null \
+      && ncu -i /tmp/attn_src.ncu-rep --page source --csv --print-source sass | gzip -9 > "$OUT/ncu_attention_ws_sass.csv.gz"
   fi
   if [[ $part == compare-x2 ]]; then  # two GPUs: tensor parallel, fused GEMM + all-reduce; COMPARE_CLIPS (default 12: an engine start per clip)
     run python3 -m engine.quality compare --spec demo --a fp8-attention --b fp8-attention,tp=2 \
