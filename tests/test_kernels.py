@@ -372,13 +372,13 @@ def test_fused_block_tracks_the_plain_block():
     assert ((got - want).norm() / want.norm()).item() <= 2e-2
     assert fused.blocks[0].fused_forward is not None and plain.blocks[0].fused_forward is None
     # the stacked norm gains are made once and follow in-place changes of the gains
-    from engine.kernels.fused_block import _stacked_gains
+    from engine.kernels.fused_block import stacked_gains
 
     block = fused.blocks[0]
-    assert _stacked_gains(block) is _stacked_gains(block)
+    assert stacked_gains(block) is stacked_gains(block)
     with torch.no_grad():
         block.k_norm.weight.mul_(2)
-    assert torch.equal(_stacked_gains(block)[1], block.k_norm.weight)
+    assert torch.equal(stacked_gains(block)[1], block.k_norm.weight)
 
 
 def test_modulation_tables_are_made_once_a_pass_and_follow_changes():

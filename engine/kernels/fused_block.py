@@ -144,7 +144,7 @@ def branch_stream(device: torch.device) -> torch.cuda.Stream:
     return _branch_streams[device]
 
 
-def _stacked_gains(block) -> torch.Tensor:
+def stacked_gains(block) -> torch.Tensor:
     """(3, H, D): the q, k, v norm gains, stacked once rather than at every call."""
     ws = (block.q_norm.weight, block.k_norm.weight, block.v_norm.weight)
     key = tuple((w.data_ptr(), w._version) for w in ws)
@@ -246,7 +246,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
             mlp = mlp_branch()
     H, D = block.q_norm.weight.shape  # heads local to this rank
     qkv = block.qkv.forward_quantized(h8, sh).view(-1, 3, H, D).permute(1, 2, 0, 3)  # (3, H, N, D) view
-    a = attend(*qkv.unbind(0), head_norm=(_stacked_gains(block), block.q_norm.eps))  # (H, N, D)
+    a = attend(*qkv.unbind(0), head_norm=(stacked_gains(block), block.q_norm.eps))  # (H, N, D)
     a = block.attn_out(a.transpose(0, 1).flatten(-2))
     if side is not None:
         here.wait_stream(side)  # tensors made on the side stream are used here only after this join
