@@ -117,7 +117,7 @@ class RingKVCache:
             raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
         self.spec, self.dtype, self.device = spec, dtype, torch.device(device)
         self.kv_dtype, self.backend = kv_dtype, backend
-        self.reset_every = spec.reset_every if reset_every is None else reset_every
+        self.reset_every = spec.reset_interval(reset_every)
         if self.reset_every < 0:
             raise ValueError(f"reset_every must be >= 0 (0 = never), got {self.reset_every}")
         # Slots are allocated in multiples of 64 (padding stays masked) so every row of the

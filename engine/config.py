@@ -51,6 +51,10 @@ class ModelSpec:
         if self.window_frames < 1 or self.passes < 1:
             raise ValueError(f"spec {self.name}: window_frames and passes must be >= 1")
 
+    def reset_interval(self, override: int | None = None) -> int:
+        """Steps between position resets: `override` where a session gives one, else this spec's (0: never)."""
+        return self.reset_every if override is None else override
+
     # Derived shapes ----------------------------------------------------------
     @property
     def head_dim(self) -> int:

@@ -278,8 +278,7 @@ class DistributedEngine:
             raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
         self.spec, self.placement, self.timeout = spec, placement, timeout
         job = _Job(spec, weights, seed, dict(session or {}), overlap, gemm)
-        given = job.session.get("reset_every")
-        self.reset_every = spec.reset_every if given is None else given  # steps between position resets (0: never)
+        self.reset_every = spec.reset_interval(job.session.get("reset_every"))  # steps between position resets (0: never)
         ctx = mp.get_context("spawn")
         port = free_port()
         n_dec = decoders if decoders is not None else max(len(placement.decoders), 1)

@@ -271,7 +271,7 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
 def _resets(spec, steps: int, config, cache: str) -> int:
     """Position resets the session went through (the ring cache rotates its keys back every `reset_every` steps)."""
     ring = (config.cache if config is not None else cache) == "ring"
-    every = config.reset_every if config is not None and config.reset_every is not None else spec.reset_every
+    every = spec.reset_interval(config.reset_every if config is not None else None)
     return steps // every if ring and every > 0 else 0
 
 

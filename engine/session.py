@@ -63,9 +63,8 @@ class EngineSession:
         self.model, self.spec = model, model.spec
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        resets = self.spec.reset_every if reset_every is None else reset_every
-        self.reset_every = resets  # steps between position resets (0: never)
-        self.backend = pick_backend(backend, self.device, cache, kv_dtype, resets) if cache == "ring" else "torch"
+        self.reset_every = self.spec.reset_interval(reset_every)  # steps between position resets (0: never)
+        self.backend = pick_backend(backend, self.device, cache, kv_dtype, self.reset_every) if cache == "ring" else "torch"
         if cuda_graph and (self.backend != "triton" or self.device.type != "cuda"):
             raise ValueError("cuda_graph needs the triton backend on a CUDA device")
         self.cuda_graph = cuda_graph
