@@ -141,11 +141,11 @@ def _delta_rotate_kernel(cache, cos, sin, scale, first, S, D: tl.constexpr, PAIR
     m = (tok < S)[:, None] & (d < 2 * PAIRS)[None, :]
     sc = tl.load(scale + r)
     ptr = cache + r * S * D + tok[:, None] * D + d[None, :]
-    a, b = tl.split(tl.reshape(tl.load(ptr, mask=m, other=0.0).to(tl.float32) * sc, (BLOCK_T, PAIRS_P2, 2)))
+    x = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * sc
     j = tl.arange(0, PAIRS_P2)
     c = tl.load(cos + j, mask=j < PAIRS, other=1.0)[None, :]
     s = tl.load(sin + j, mask=j < PAIRS, other=0.0)[None, :]
-    tl.store(ptr, to_fp8(tl.interleave((a * c - b * s) / sc, (a * s + b * c) / sc), EXACT), mask=m)
+    tl.store(ptr, _rotate_quant(x, c, s, sc, EXACT), mask=m)
 
 
 def delta_rotate(cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor, first: int,
