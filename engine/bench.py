@@ -334,7 +334,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             from engine.kernels.fused_block import stacked_gains
 
             b0 = model.blocks[0]
-            upkeep = _triton_upkeep(cache, full, q, head_norm=(stacked_gains(b0), b0.q_norm.eps))
+            head_norm = (stacked_gains(b0), b0.q_norm.eps)
+            upkeep = _triton_upkeep(cache, full, q, head_norm=head_norm)
 
             def attend() -> None:
                 for _ in range(full.passes):
@@ -345,7 +346,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             out["cache_upkeep_ms"] = time_part(upkeep)
             # the frame write with the token blocks it had before (64 rows, 4 warps; now 16 rows, 8 warps)
             out["cache_upkeep_ms_write_blocks_of_64"] = time_part(
-                _triton_upkeep(cache, full, q, head_norm=(stacked_gains(b0), b0.q_norm.eps), block_t=64, num_warps=4))
+                _triton_upkeep(cache, full, q, head_norm=head_norm, block_t=64, num_warps=4))
             out["attention_ms"] = time_part(attend)
             out["reset_rotation_ms"] = statistics.median(time_ms(
                 lambda: delta_rotate(cache.k.view(L * Hh, S, D), cache._reset_cos_t, cache._reset_sin_t,
@@ -372,7 +373,9 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
 
     result["serving"] = run_config(True)
     # Process-wide and read once by torch, so the baseline's bf16 GEMMs run with it too.
-    result["cublaslt_workspace_kib"] = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "torch's default")
+    from engine.kernels.fp8_linear import GEMM_WORKSPACE_ENV
+
+    result["cublaslt_workspace_kib"] = os.environ.get(GEMM_WORKSPACE_ENV, "torch's default")
     result["baseline"] = run_config(False)
     result["speedup"] = result["baseline"]["step_ms"] / result["serving"]["step_ms"]
     result["ratios"] = {k: result["baseline"][k] / result["serving"][k]

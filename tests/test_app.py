@@ -88,7 +88,6 @@ def test_a_turn_still_in_flight_shows_its_missing_stages_as_dashes():
     assert '<td data-stage="speaking_frame">–</td>' in html and '<td data-stage="total">–</td>' in html
 
 
-# Recording -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("asked, device, placement, backend, replays", [
     (True, "cuda", None, "triton", True),  # one GPU, this process
     (True, "cuda", (0,), "triton", True),  # diffusion on GPU 0, decoder on GPU 1
@@ -124,6 +123,7 @@ def test_the_bench_lists_the_turns_it_did_not_time_with_their_status():
         {"turn": 4, "transcript": "Do you", "status": "unfinished"}]
 
 
+# Recording -----------------------------------------------------------------------------------------
 def test_recording_survives_and_lists(tmp_path):
     rec = SessionRecorder(tmp_path, "abc", fps=24, size=(32, 32), meta={"preset": "mika"})
     for i in range(48):

@@ -84,15 +84,16 @@ for part in $parts; do
     TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py --first /tmp/site app.bench ${APP_ARGS:---device cuda} \
       --utterances "${APP_UTTERANCES:-5}" --json > "$OUT/app_bench_demo_h200.json" && cat "$OUT/app_bench_demo_h200.json"
   fi
-  if [[ $part == attention-ncu ]]; then  # Nsight Compute on one call of the warp-specialised attention kernel (named only)
-    run ncu -k regex:_attn_ws_kernel --launch-skip 2 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-      --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-      env PYTHONPATH=. python3 tools/attn_probe.py '[{"kernel":"ws","block_m":64,"block_n":128,"stages":3}]' > "$OUT/ncu_attention_ws.txt" 2>&1
+  # Nsight Compute on one call of the warp-specialised attention kernel (these parts run only when named)
+  ncu_call=(-k regex:_attn_ws_kernel --launch-skip 2 --launch-count 1)
+  probe=(env PYTHONPATH=. python3 tools/attn_probe.py '[{"kernel":"ws","block_m":64,"block_n":128,"stages":3}]')
+  if [[ $part == attention-ncu ]]; then
+    run ncu "${ncu_call[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section Occupancy --section LaunchStats "${probe[@]}" > "$OUT/ncu_attention_ws.txt" 2>&1
   fi
-  if [[ $part == attention-ncu-source ]]; then  # per-instruction stall samples of the same call, as CSV (tools/ncu_sass_summary.py)
-    run ncu -k regex:_attn_ws_kernel --launch-skip 2 --launch-count 1 --section SourceCounters --section WarpStateStats \
-      --section SpeedOfLight --section ComputeWorkloadAnalysis -o /tmp/attn_src -f \
-      env PYTHONPATH=. python3 tools/attn_probe.py '[{"kernel":"ws","block_m":64,"block_n":128,"stages":3}]' > /dev/null \
+  if [[ $part == attention-ncu-source ]]; then  # per-instruction stall samples, as CSV (tools/ncu_sass_summary.py)
+    run ncu "${ncu_call[@]}" --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis -o /tmp/attn_src -f "${probe[@]}" > /dev/null \
       && ncu -i /tmp/attn_src.ncu-rep --page source --csv --print-source sass | gzip -9 > "$OUT/ncu_attention_ws_sass.csv.gz"
   fi
   if [[ $part == compare-x2 ]]; then  # two GPUs: tensor parallel, fused GEMM + all-reduce; COMPARE_CLIPS (default 12: an engine start per clip)
