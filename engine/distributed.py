@@ -392,6 +392,11 @@ class DistributedEngine:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+        for q in self._commands + self._latents:  # the queues this process writes to
+            # A process killed while it held a queue's write lock (a crash, or fault injection) never releases
+            # it: this process's feeder thread would wait for it forever, and Python joins feeder threads at
+            # exit. The processes are gone, so what is still buffered for them can be dropped.
+            q.cancel_join_thread()
 
     def __enter__(self) -> "DistributedEngine":
         return self

@@ -3,6 +3,8 @@ pipeline, placement and failures. Tolerance for TP vs one process: decoded frame
 (the all-reduce adds partial sums in another order than one matmul does)."""
 
 import os
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -95,6 +97,41 @@ def test_a_dead_rank_gives_a_clear_error_and_a_new_engine_starts():
         fresh.start(reference_latent(SPEC6))
         fresh.submit_step(features(0), 0)
         assert fresh.next_frames()[0] == 0
+
+
+HELD_LOCK_SCRIPT = """
+import multiprocessing as mp, os, signal, sys
+from engine.distributed import DistributedEngine, Placement
+from tests.helpers import TINY
+
+
+def hold(lock, taken):  # an engine process that dies in the middle of a put: the queue's write lock stays taken
+    lock.acquire()
+    taken.set()
+    signal.pause()
+
+
+if __name__ == "__main__":
+    engine = DistributedEngine(TINY.with_(name="tiny6", dim=96, n_heads=6, mlp_hidden=192), Placement(cpu_ranks=1), timeout=60)
+    ctx = mp.get_context("spawn")
+    taken = ctx.Event()
+    holder = ctx.Process(target=hold, args=(engine._latents[0]._wlock, taken))
+    holder.start()
+    assert taken.wait(60)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join()
+    engine.close()  # puts a stop into that queue: its feeder thread now waits for the lock forever
+    print("closed", flush=True)
+"""
+
+
+def test_closing_after_a_process_died_holding_a_queue_lock_does_not_hang_the_exit(tmp_path):
+    script = tmp_path / "held_lock.py"
+    script.write_text(HELD_LOCK_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0 and "closed" in done.stdout, done.stderr
 
 
 @torch.no_grad()
