@@ -515,6 +515,8 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     if attention_kernel("auto", device, D) == "ws":  # the warp-specialised Hopper kernel: tile shapes, pipeline depths
         sweep += [dict(kernel="ws", block_m=64, block_n=bn, stages=st) for bn, st in ((128, 2), (128, 3), (64, 3), (64, 4))]
         sweep += [dict(kernel="ws", block_m=128, block_n=128, stages=st, pingpong=pp) for st in (2, 3) for pp in (False, True)]
+        # P shuffled into the P·V operand's layout at every block instead of renamed in place (V's slots in their own order)
+        sweep += [dict(kernel="ws", block_m=bm, block_n=128, stages=2, renamed_p=False) for bm in (64, 128)]
     for opts in sweep:
         if opts["kernel"] == "triton":
             opts = {"pv_fp8": True, **opts, "warp_specialize": False}
@@ -522,7 +524,8 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
             options = {k: v for k, v in opts.items() if k != "kernel"}
             att = make_attention(opts["kernel"], H, M, S, D, device, **options)
             att.mark_live_tiles(valid)
-            fn = lambda: att(q8, k8, vt8, valid, qks, scale, out)
+            vt = att.arrange_v(vt8)
+            fn = lambda: att(q8, k8, vt, valid, qks, scale, out)
             ms = event_ms(fn, device, repeats)
             err = ((out.float() - ref).norm() / ref.norm()).item()
         except Exception as e:  # a configuration the compiler rejects (shared memory, registers)
@@ -712,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="each block's MLP branch on a side stream beside its attention (the other setting is timed too)")
     st.add_argument("--fast-accum", choices=("on", "off"), default="on",
                     help="FP8 GEMMs with the tensor cores' fast accumulation (the other setting is timed too)")
-    st.add_argument("--attention-options", default="{}", help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong")
+    st.add_argument("--attention-options", default="{}", help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")

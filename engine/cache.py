@@ -88,7 +88,9 @@ class RingKVCache:
     K is stored rotated (RoPE at write time) and, with kv_dtype="fp8", quantised with
     static per-head scales; reading needs no reordering because attention is order-free
     once positions are baked in, only a mask for slots not yet written. V is stored
-    transposed, (L, H, D, S), the operand layout FP8 tensor cores take for P·V.
+    transposed, (L, H, D, S), the operand layout FP8 tensor cores take for P·V; for the
+    warp-specialised attention kernel its slots are also reordered within groups of 16
+    (`v_positions`) into the order that kernel's P·V reads them in.
 
     backend="torch" runs every piece in PyTorch (any device); backend="triton" (FP8 on
     a CUDA GPU, or under the Triton interpreter) uses one kernel per attention call
@@ -139,6 +141,8 @@ class RingKVCache:
         self.step = -1
         self.position = 0  # temporal position of the newest frame
         self.resets = 0
+        # Where each slot's V sits along vt's slot axis, where the attention kernel wants it otherwise (None: at its slot)
+        self.v_positions: torch.Tensor | None = None
         if backend == "triton":
             self._init_triton(q_gains, attention_options or {})
 
@@ -174,6 +178,10 @@ class RingKVCache:
             raise ValueError(f"attention options {sorted(options)} need the kernel they are for: add \"kernel\": \"triton\" or \"ws\"")
         self.attention_kernel = attention_kernel(kernel, self.device, D)
         self.attention = make_attention(self.attention_kernel, H, s.frame_tokens, self.k.shape[2], D, self.device, **options)
+        if self.attention.permutes_v_slots:
+            from engine.kernels.fp8_attention_ws import pv_slot_order
+
+            self.v_positions = torch.argsort(pv_slot_order(self.k.shape[2])).to(self.device)
         self.rotate_window(count=False)  # compiles the rotation now (zeros stay zeros), not in the first reset step
 
     # Storage helpers ----------------------------------------------------------
@@ -186,6 +194,14 @@ class RingKVCache:
     def _scale(self, scales: torch.Tensor | None, layer: int) -> torch.Tensor | None:
         return None if scales is None else scales[layer]
 
+    def _v_columns(self, start: int, end: int) -> slice | torch.Tensor:
+        """Where slots start..end-1 sit along vt's slot axis."""
+        return slice(start, end) if self.v_positions is None else self.v_positions[start:end]
+
+    def vt_in_slot_order(self) -> torch.Tensor:
+        """vt (L, H, D, S) with slot j at column j, however the attention kernel has it stored."""
+        return self.vt if self.v_positions is None else self.vt[..., self.v_positions]
+
     def frame_slot(self, step: int) -> int:
         return self.spec.sink_slots + (step % self.spec.window_frames) * self.spec.frame_tokens
 
@@ -196,7 +212,7 @@ class RingKVCache:
         q, k, v = apply_head_norm(q, k, v, head_norm)
         n = self.spec.reference_tokens
         self.sink_k[layer] = k.float()
-        self.vt[layer, :, :, :n] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
+        self.vt[layer, :, :, self._v_columns(0, n)] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
         self.valid[:n] = 1
         return reference_self_attention(self.rope, q, k, v)
 
@@ -258,7 +274,7 @@ class RingKVCache:
         end = start + self.spec.frame_tokens
         cos, sin = self._frame_cos_sin()
         self.k[layer, :, start:end] = self._store(apply_rope(k, cos, sin), self._scale(self.k_scale, layer))
-        self.vt[layer, :, :, start:end] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
+        self.vt[layer, :, :, self._v_columns(start, end)] = self._store(v, self._scale(self.v_scale, layer)).transpose(-1, -2)
         self.valid[start:end] = 1
 
     def read(self, layer: int, dtype: torch.dtype, slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +282,7 @@ class RingKVCache:
         n = self.k.shape[2] if slots is None else slots
         return (
             self._load(self.k[layer, :, :n], self._scale(self.k_scale, layer), dtype),
-            self._load(self.vt[layer, :, :, :n], self._scale(self.v_scale, layer), dtype).transpose(-1, -2),
+            self._load(self.vt[layer, :, :, self._v_columns(0, n)], self._scale(self.v_scale, layer), dtype).transpose(-1, -2),
         )
 
     def live_prefix(self) -> int | None:
@@ -299,7 +315,7 @@ class RingKVCache:
 
         write_frame(q, k, v, self._frame_cos, self._frame_sin, self.pos_idx, self.slot, self.q8,
                     self.k[layer], self.vt[layer], self.valid, self.q_scale[layer], self.k_scale[layer], self.v_scale[layer],
-                    head_norm=head_norm)
+                    head_norm=head_norm, pv_order=self.v_positions is not None)
         self.attention(self.q8, self.k[layer], self.vt[layer], self.valid, self.qk_scale[layer], self.v_scale[layer], self.out)
         H, D = self.n_heads, self.spec.head_dim
         return self.out.view(-1, H, D).transpose(0, 1).to(q.dtype)  # (H, F, D) view of (F, H*D)

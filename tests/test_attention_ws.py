@@ -20,7 +20,7 @@ pytest.importorskip("triton.experimental.gluon")
 from engine import fp8  # noqa: E402
 from engine.kernels import attention_kernel  # noqa: E402
 from engine.kernels.fp8_attention import attention_reference, qk_scale  # noqa: E402
-from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention, compile_for_hopper  # noqa: E402
+from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention, compile_for_hopper, pv_slot_order  # noqa: E402
 from tests.helpers import rms_heads  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -39,18 +39,42 @@ def spill_store_bytes(ptx: str) -> int:
 
 
 # (block_m, block_n, stages, head_dim), and the spill stores measured when written: a guard against growth
-@pytest.mark.parametrize("block_m, block_n, stages, head_dim, pingpong, spills", [
-    (64, 128, 3, 128, False, 64), (128, 128, 2, 128, False, 88), (64, 64, 4, 128, False, 0), (64, 128, 3, 64, False, 0),
-    (128, 128, 2, 128, True, 88)])
-def test_builds_for_hopper_with_async_tensor_cores_and_few_spills(block_m, block_n, stages, head_dim, pingpong, spills):
-    kernel = compile_for_hopper(head_dim, block_m=block_m, block_n=block_n, stages=stages, pingpong=pingpong)
+@pytest.mark.parametrize("block_m, block_n, stages, head_dim, pingpong, renamed_p, spills", [
+    (64, 128, 3, 128, False, True, 64), (128, 128, 2, 128, False, True, 88), (64, 64, 4, 128, False, True, 0),
+    (64, 128, 3, 64, False, True, 0), (128, 128, 2, 128, True, True, 88), (64, 128, 2, 128, False, False, 64)])
+def test_builds_for_hopper_with_async_tensor_cores_and_few_spills(block_m, block_n, stages, head_dim, pingpong, renamed_p, spills):
+    kernel = compile_for_hopper(head_dim, block_m=block_m, block_n=block_n, stages=stages, pingpong=pingpong,
+                                renamed_p=renamed_p)
     ptx = kernel.asm["ptx"]
+    # renamed in place, P never moves between threads: only the row reductions' shuffles stay (per consumer warpgroup)
+    assert (ptx.count("shfl.sync") / (block_m // 64) < 20) == renamed_p
     assert ".target sm_90a" in ptx
     assert ptx.count("wgmma.mma_async") > 0 and "wgmma.wait_group.sync.aligned 1" in ptx  # q·kᵀ waited on, P·V in flight
     assert "setmaxnreg" in ptx  # producer warp gives its registers to the consumers
     assert "cp.async.bulk.tensor" in ptx  # TMA loads
     assert spill_store_bytes(ptx) <= spills
     assert kernel.metadata.shared * (2 if block_m == 64 else 1) <= 227 * 1024  # two programs per SM at block_m 64
+
+
+def test_v_slot_order_puts_each_thread_s_probabilities_where_its_operand_registers_read_them():
+    """Per 32 slots, the thread of a wgmma accumulator row with lane index q (of 4) holds the scores of slots
+    2q, 2q+1 (+ 8, 16, 24); as an 8-bit A operand the same thread supplies positions 4q..4q+3 and
+    16+4q..16+4q+3. The order must send those positions to exactly those slots, so that no probability
+    moves between threads; it maps each group of 16 slots onto itself, so any multiple of 16 slots works."""
+    order = pv_slot_order(64)
+    for q in range(4):
+        held = {2 * q + c + 8 * j for j in range(4) for c in (0, 1)}
+        positions = [4 * q + r + 16 * h for h in (0, 1) for r in range(4)]
+        for group in (0, 32):
+            assert {order[group + k].item() - group for k in positions} == held
+    for n in (16, 48, 5824):
+        o = pv_slot_order(n)
+        assert sorted(o.tolist()) == list(range(n)) and torch.equal(o // 16, torch.arange(n) // 16)
+    with pytest.raises(ValueError, match=r"the slots \(40\) must be a multiple of 16"):
+        pv_slot_order(40)
+    vt = torch.arange(2 * 3 * 48).view(2, 3, 48)
+    assert torch.equal(WarpSpecializedFP8Attention(2, 70, 48, 32).arrange_v(vt), vt[..., pv_slot_order(48)])
+    assert WarpSpecializedFP8Attention(2, 70, 48, 32, renamed_p=False).arrange_v(vt) is vt
 
 
 def test_refuses_shapes_it_cannot_run():
@@ -93,15 +117,19 @@ def test_marks_only_fully_live_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
-@pytest.mark.parametrize("block_m, block_n, stages, S, marked, D, pingpong", [
-    (64, 128, 3, 320, True, 128, False), (64, 128, 2, 5824, True, 128, False), (64, 128, 2, 5824, False, 128, False),
-    (128, 128, 2, 320, True, 128, False), (128, 128, 2, 1024, True, 128, False), (64, 64, 4, 512, True, 128, False),
-    (64, 64, 6, 336, True, 128, False), (64, 128, 3, 1024, True, 64, False),
-    (128, 128, 2, 320, True, 128, True), (128, 128, 2, 5824, False, 128, True), (128, 128, 3, 1024, True, 64, True)])
-def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S, marked, D, pingpong):
+@pytest.mark.parametrize("block_m, block_n, stages, S, marked, D, pingpong, renamed_p", [
+    (64, 128, 3, 320, True, 128, False, True), (64, 128, 2, 5824, True, 128, False, True),
+    (64, 128, 2, 5824, False, 128, False, True), (128, 128, 2, 320, True, 128, False, True),
+    (128, 128, 2, 1024, True, 128, False, True), (64, 64, 4, 512, True, 128, False, True),
+    (64, 64, 6, 336, True, 128, False, True), (64, 128, 3, 1024, True, 64, False, True),
+    (64, 32, 3, 336, True, 64, False, True), (128, 128, 2, 320, True, 128, True, True),
+    (128, 128, 2, 5824, False, 128, True, True), (128, 128, 3, 1024, True, 64, True, True),
+    (64, 128, 2, 5824, True, 128, False, False), (128, 128, 2, 320, True, 128, False, False)])
+def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S, marked, D, pingpong, renamed_p):
     """S = 320 leaves a partial last tile (slots past S masked, the next head's K rows read and ignored);
     M = 70 a partial query tile; the empty ring slots are masked; D = 64 is the demo model's head. Marked: tiles known fully live skip
-    the mask; unmarked, every tile is masked. pingpong: the two consumer warpgroups issue their products in turns."""
+    the mask; unmarked, every tile is masked. pingpong: the two consumer warpgroups issue their products in turns.
+    renamed_p: P renamed in its registers, V's slots reordered to match (False: V in slot order, P shuffled)."""
     g = torch.Generator().manual_seed(1)
     H, M, dev = 3, 70, torch.device("cuda")
     rms = lambda *shape: rms_heads(g, *shape).to(dev)
@@ -112,11 +140,11 @@ def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S
     valid[40:130] = 0
     out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
     attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=block_n, stages=stages,
-                                            pingpong=pingpong)
+                                            pingpong=pingpong, renamed_p=renamed_p)
     if marked:
         attention.mark_live_tiles(valid)
         assert (attention.tile_live.sum().item() > 0) == (S != 320)  # the unmasked path runs too
-    attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out)
+    attention(q8, k8, attention.arrange_v(vt8), valid, qk_scale(scale, scale, D), scale, out)
     ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
     assert torch.isfinite(out).all()
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 3e-2

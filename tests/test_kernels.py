@@ -58,7 +58,7 @@ def test_frame_write_sink_and_reset_rotation_match_pytorch():
             ref.write(layer, frame[1], frame[2])
             fast._attend_triton(layer, frame[0], frame[1], frame[2])
         close_fp8(fast.k, ref.k, ref.k_scale)
-        close_fp8(fast.vt, ref.vt, ref.v_scale)
+        close_fp8(fast.vt_in_slot_order(), ref.vt, ref.v_scale)
         assert torch.equal(fast.valid, ref.valid)
     assert fast.resets == ref.resets == 1
     # q was rotated and quantised as the PyTorch path does
@@ -66,6 +66,38 @@ def test_frame_write_sink_and_reset_rotation_match_pytorch():
     from engine.rope import apply_rope
 
     close_fp8(fast.q8, fp8.quantize(apply_rope(frame[0], cos, sin), fast.q_scale[-1]), fast.q_scale[-1])
+
+
+def test_v_slots_are_stored_where_the_attention_kernel_reads_them(monkeypatch):
+    """For a kernel that reads V's slots reordered (the warp-specialised one), the cache writes each slot's V
+    where that kernel reads it (the sink in PyTorch, frames in the write kernel) and reads them back in slot
+    order. The Triton kernel stands in for the reordering one here, so this runs on the CPU too."""
+    from engine.kernels.fp8_attention_ws import pv_slot_order
+
+    g = torch.Generator().manual_seed(3)
+    H, D, F, L = SPEC.n_heads, SPEC.head_dim, SPEC.frame_tokens, SPEC.n_blocks
+    gains = [(torch.rand(H, D, generator=g) + 0.5).to(DEVICE) for _ in range(L)]
+    kw = dict(q_gains=gains, kv_dtype="fp8", reset_every=5, device=DEVICE, backend="triton", attention_options={"kernel": "triton"})
+    plain = RingKVCache(SPEC, gains, gains, **kw)
+    monkeypatch.setattr(FP8Attention, "permutes_v_slots", True)
+    moved = RingKVCache(SPEC, gains, gains, **kw)
+    assert plain.v_positions is None and moved.v_positions is not None
+    sink = [rms_heads(g, H, SPEC.reference_tokens, D).to(DEVICE) for _ in range(L)]
+    for step in range(2):
+        frame = [rms_heads(g, H, F, D).to(DEVICE) for _ in range(3)]
+        for c in (plain, moved):
+            if step == 0:
+                for layer in range(L):
+                    c.reference_attend(layer, sink[layer], sink[layer], sink[layer])
+            c.begin_step(step)
+            for layer in range(L):
+                c._attend_triton(layer, *frame)
+    order = pv_slot_order(plain.vt.shape[-1], DEVICE)
+    assert torch.equal(moved.vt.view(torch.uint8), plain.vt[..., order].view(torch.uint8))  # column j: slot order[j]
+    assert not torch.equal(moved.vt.view(torch.uint8), plain.vt.view(torch.uint8))
+    assert torch.equal(moved.vt_in_slot_order().view(torch.uint8), plain.vt.view(torch.uint8))
+    for a, b in zip(moved.read(1, torch.float32), plain.read(1, torch.float32)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("splits, exp2, lazy, S, tma, pv_fp8", [
@@ -273,7 +305,7 @@ def test_frame_write_applies_the_head_norms_it_is_given(dtype):
     q, k, v = (x.float() for x in apply_head_norm(*raw, (gains, 1e-6)))  # normed in the input's type, rotated in float32
     ref.write(0, k, v)
     close_fp8(fast.k[0], ref.k[0], ref.k_scale[0])
-    close_fp8(fast.vt[0], ref.vt[0], ref.v_scale[0])
+    close_fp8(fast.vt_in_slot_order()[0], ref.vt[0], ref.v_scale[0])
     close_fp8(fast.q8, fp8.quantize(apply_rope(q, *ref._frame_cos_sin()), fast.q_scale[0]), fast.q_scale[0])
     # the norms did something: the raw keys quantise differently
     assert not torch.equal(fast.k[0], fp8.quantize(apply_rope(raw[1].float(), *ref._frame_cos_sin()), fast.k_scale[0]))

@@ -48,7 +48,8 @@ for opts in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
         att = make_attention(kernel, H, M, S, D, dev, **opts)
         att.mark_live_tiles(valid)
         before = compiled()
-        fn = lambda: att(q8, k8, vt8, valid, qks, sc, out)
+        vt = att.arrange_v(vt8)
+        fn = lambda: att(q8, k8, vt, valid, qks, sc, out)
         row["us"] = 1000 * event_ms(fn, dev, 20)
         row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
         new = [k for k in compiled() if k not in before]

@@ -155,6 +155,13 @@ def _merge_kernel(part_o, part_m, part_l, v_scale, out, s_om, s_oh, H, M,
 class FP8Attention:
     """Launcher with its split buffers allocated once (static shapes, CUDA-graph safe)."""
 
+    permutes_v_slots = False  # Vᵀ's slots in their own order
+
+    @staticmethod
+    def arrange_v(vt8: torch.Tensor) -> torch.Tensor:
+        """Vᵀ (H, D, S) in slot order as this kernel reads it: as it is."""
+        return vt8
+
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device: torch.device,
                  block_m: int = 64, block_n: int = 128, splits: int = 1, num_warps: int = 4, num_stages: int = 3,
                  pv_fp8: bool = True, warp_specialize: bool = False, exp2: str = "mufu", lazy_rescale: bool = False,

@@ -2,7 +2,8 @@
 
 The function of fp8_attention.py (q (H, M, D), K (H, S, D), V stored transposed (H, D, S), all e4m3
 with one scale per head, a validity byte per slot; output (M, H*D) bf16), scheduled by hand the way
-FlashAttention-3 schedules it, which Triton's own pipeliner does not:
+FlashAttention-3 schedules it, which Triton's own pipeliner does not. V's slots come in the order the
+P·V product reads them straight from the softmax's registers (`pv_slot_order`, written so by the cache).
 
 - one producer warp streams K and Vᵀ tiles through the copy engine (TMA) into a ring of shared-memory
   stages, each guarded by a ready and an empty barrier, so loads never wait behind arithmetic;
@@ -71,10 +72,37 @@ def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.con
 
 
 @gluon.jit
+def _p_operand(p, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, RENAMED_P: gl.constexpr):
+    """P (BLOCK_M, BLOCK_N) fp32 in the q·kᵀ accumulator's registers -> the P·V product's e4m3 A operand, with
+    no data moved. In each group of 32 columns a thread of the accumulator holds the columns whose bits
+    (c4 c3 c2 c1 c0) come from (register register lane lane register); an 8-bit A operand wants (register lane
+    lane register register). The columns are renamed by that bit permutation (reshape, permute: registers
+    only); V's slots are stored in the same order (`pv_slot_order`), so the product is unchanged. Converting
+    the layout instead (RENAMED_P False: V's slots in their own order) shuffles P between threads at every
+    block (`engine.bench attention` times both)."""
+    if not RENAMED_P:
+        return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    p8 = gl.reshape(p.to(gl.float8e4nv), [BLOCK_M, BLOCK_N // 32, 2, 2, 2, 2, 2])  # (row, group, c4, c3, c2, c1, c0)
+    p8 = gl.reshape(gl.permute(p8, [0, 1, 2, 4, 5, 3, 6]), [BLOCK_M, BLOCK_N])  # column c4 c2 c1 c3 c0
+    return gl.convert_layout(p8, p_layout, assert_trivial=True)
+
+
+def pv_slot_order(n_slots: int, device=None) -> torch.Tensor:
+    """(n_slots,) the slot whose V this kernel reads at each position of Vᵀ's slot axis: `_p_operand`'s
+    renaming within every group of 32 slots. Bit 4 stays, so each group of 16 maps onto itself and any
+    multiple of 16 slots is closed under it."""
+    if n_slots % 16:
+        raise ValueError(f"the slots ({n_slots}) must be a multiple of 16")
+    in_group = torch.arange(32).view(2, 2, 2, 2, 2).permute(0, 2, 3, 1, 4).reshape(32)  # (c4 c2 c1 c3 c0) -> c
+    order = (torch.arange(0, n_slots + 16, 32).view(-1, 1) + in_group).view(-1)
+    return order[order < n_slots].to(device)
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, valid, tile_live,
               qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr,
-              num_warps: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr,
+              FIRST: gl.constexpr, num_warps: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -99,7 +127,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         live_next = gl.load(tile_live + i + 1)  # issued early: its latency hides behind the products
         mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
         if PINGPONG:  # the two consumers take turns to issue their products: one's softmax runs under the other's
-            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            p8 = _p_operand(p, p_layout, BLOCK_M, BLOCK_N, RENAMED_P)
             mbarrier.wait(v_ready.index(cur), (i // STAGES) & 1)
             mbarrier.wait(my_turn, (i + FIRST) & 1)  # the first consumer's first turn passes at once (fresh barrier)
             s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -107,7 +135,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
             mbarrier.arrive(their_turn, count=1)
         else:
             s_tok = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+            p8 = _p_operand(p, p_layout, BLOCK_M, BLOCK_N, RENAMED_P)
             mbarrier.wait(v_ready.index(cur), (i // STAGES) & 1)
             o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # q·kᵀ done; P·V may still run under the softmax below
@@ -117,7 +145,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
         mbarrier.arrive(v_empty.index(cur), count=1)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     last = (n_blocks - 1) % STAGES
-    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    p8 = _p_operand(p, p_layout, BLOCK_M, BLOCK_N, RENAMED_P)
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p8, v_smem.index(last).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[o_tok])
@@ -132,7 +160,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 @gluon.jit
 def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, M, S,
                     D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     pid_m, h = gl.program_id(0), gl.program_id(1)
     off_m = pid_m * BLOCK_M
     n_blocks = (S + BLOCK_N - 1) // BLOCK_N
@@ -164,7 +192,7 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a, turn_b, valid,
                          tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES,
-                         False, 1, num_warps)),
+                         RENAMED_P, False, 1, num_warps)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [1], [24])
@@ -172,10 +200,10 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a,
                          turn_b, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64,
-                         BLOCK_N, STAGES, PINGPONG, 1, num_warps)),
+                         BLOCK_N, STAGES, RENAMED_P, PINGPONG, 1, num_warps)),
             (_consumer, (q_smem.slice(64, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_b,
                          turn_a, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m + 64, M, S, n_blocks, D,
-                         64, BLOCK_N, STAGES, PINGPONG, 0, 4)),
+                         64, BLOCK_N, STAGES, RENAMED_P, PINGPONG, 0, 4)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -190,13 +218,19 @@ def descriptor_layouts(block_m: int, block_n: int, head_dim: int) -> tuple:
 
 
 class WarpSpecializedFP8Attention:
-    """Launcher, called like FP8Attention. block_m 64 runs one consumer warpgroup per program, two
-    programs per SM (maxnreg 128); block_m 128 runs two consumer warpgroups in partitions of their own,
-    sharing each K/V tile (half the tile traffic), one program per SM with more registers each."""
+    """Launcher, called like FP8Attention but with Vᵀ's slots in `pv_slot_order` (`permutes_v_slots`: the
+    ring cache stores them so; with `renamed_p` False in their own order, P then shuffled between threads
+    into the P·V operand's layout at every block). block_m 64 runs one consumer warpgroup per program, two programs per SM
+    (maxnreg 128); block_m 128 runs two consumer warpgroups in partitions of their own, sharing each K/V
+    tile (half the tile traffic), one program per SM with more registers each."""
+
+    def arrange_v(self, vt8: torch.Tensor) -> torch.Tensor:
+        """Vᵀ (H, D, S) in slot order -> the order this kernel reads (a copy; the cache writes it so directly)."""
+        return vt8[..., pv_slot_order(vt8.shape[-1], vt8.device)].contiguous() if self.permutes_v_slots else vt8
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device=None,
                  block_m: int = 64, block_n: int = 128, stages: int = 3, maxnreg: int | None = None,
-                 pingpong: bool = False):
+                 pingpong: bool = False, renamed_p: bool = True):
         if head_dim not in (32, 64, 128):  # the P·V product's N; TMA rows of at least 32 bytes
             raise ValueError(f"head_dim must be 32, 64 or 128 for the warp-specialised kernel, got {head_dim}")
         if block_m not in (64, 128):
@@ -212,6 +246,7 @@ class WarpSpecializedFP8Attention:
             raise ValueError("pingpong takes two consumer warpgroups: block_m 128")
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
         self.pingpong = pingpong  # the two consumers issue their products in turns (FlashAttention-3's ping-pong)
+        self.permutes_v_slots = renamed_p
         self.num_warps = 4  # the default partition: one consumer warpgroup
         # block_m 128 launches 12 warps (partitions come in warpgroups): 168 registers each fill the register
         # file; then the producer's warpgroup gives its registers to the consumer warpgroup in a partition of its own.
@@ -228,13 +263,14 @@ class WarpSpecializedFP8Attention:
         self.tile_live[:full].copy_((valid[: full * self.block_n].view(full, self.block_n) != 0).all(1))
 
     def __call__(self, q8, k8, vt8, valid, qk_scale, v_scale, out):
-        """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16; scales as FP8Attention."""
+        """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16; scales as FP8Attention.
+        vt8[:, :, j] holds the V of slot pv_slot_order(S)[j]."""
         H, M, D = q8.shape
         q_desc, k_desc, vt_desc = self.descriptors(q8, k8, vt8)
         _attn_ws_kernel[(triton.cdiv(M, self.block_m), H)](
             q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
-            PINGPONG=self.pingpong, num_warps=self.num_warps, maxnreg=self.maxnreg)
+            RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, num_warps=self.num_warps, maxnreg=self.maxnreg)
         return out
 
     def descriptors(self, q8, k8, vt8) -> tuple:
@@ -252,7 +288,7 @@ class WarpSpecializedFP8Attention:
 
 
 def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 128, stages: int = 3,
-                       maxnreg: int | None = None, pingpong: bool = False):
+                       maxnreg: int | None = None, pingpong: bool = False, renamed_p: bool = True):
     """Build the kernel for sm_90a on any machine, GPU or not (Triton ships ptxas): the compiled
     kernel, its PTX under `.asm["ptx"]`. The launch signature depends on tile shapes only."""
     import torch
@@ -261,15 +297,15 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
     from triton.runtime.jit import mangle_type
 
     att = WarpSpecializedFP8Attention(1, block_m, block_n, head_dim, block_m=block_m, block_n=block_n, stages=stages,
-                                      maxnreg=maxnreg, pingpong=pingpong)
+                                      maxnreg=maxnreg, pingpong=pingpong, renamed_p=renamed_p)
     fp8 = torch.float8_e4m3fn
     descs = att.descriptors(torch.zeros(1, block_m, head_dim, dtype=fp8), torch.zeros(1, block_n, head_dim, dtype=fp8),
                             torch.zeros(1, head_dim, block_n, dtype=fp8))
     signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]), "vt_desc": mangle_type(descs[2]),
                  "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*bf16", "s_om": "i32", "M": "i32",
                  "S": "i32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
-                 "CONSUMER_REGS": "constexpr", "PINGPONG": "constexpr", "num_warps": "constexpr"}
+                 "CONSUMER_REGS": "constexpr", "RENAMED_P": "constexpr", "PINGPONG": "constexpr", "num_warps": "constexpr"}
     constants = {"D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                 "CONSUMER_REGS": att.consumer_regs, "PINGPONG": pingpong, "num_warps": att.num_warps}
+                 "CONSUMER_REGS": att.consumer_regs, "RENAMED_P": renamed_p, "PINGPONG": pingpong, "num_warps": att.num_warps}
     return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg})

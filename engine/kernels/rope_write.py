@@ -59,7 +59,7 @@ def _write_frame_kernel(
     q_scale, k_scale, v_scale,  # (H,)
     gains, eps,  # (3, H, D): q, k, v norm gains, read with NORM
     F, S, H,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr, PV_ORDER: tl.constexpr,
 ):
     pid_t, h = tl.program_id(0), tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -79,7 +79,10 @@ def _write_frame_kernel(
              mask=m)
     # v goes to the transposed cache: store the (D, BLOCK_T) transpose so writes run along slots
     v8 = tl.trans(to_fp8(xv / tl.load(v_scale + h), EXACT))
-    tl.store(vt_cache + h * D * S + d[:, None] * S + (start + tok)[None, :], v8, mask=t_ok[None, :])
+    col = start + tok
+    if PV_ORDER:  # where the warp-specialised attention reads slot `col` (fp8_attention_ws.pv_slot_order)
+        col = (col & ~15) | (((col >> 2) & 1) << 3) | (((col >> 1) & 1) << 2) | (((col >> 3) & 1) << 1) | (col & 1)
+    tl.store(vt_cache + h * D * S + d[:, None] * S + col[None, :], v8, mask=t_ok[None, :])
     if h == 0:
         tl.store(valid + start + tok, tl.full((BLOCK_T,), 1, tl.int8), mask=t_ok)
 
@@ -88,13 +91,14 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
                 pos_idx: torch.Tensor, slot: torch.Tensor, q8: torch.Tensor, k_cache: torch.Tensor,
                 vt_cache: torch.Tensor, valid: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
                 v_scale: torch.Tensor, head_norm: tuple[torch.Tensor, float] | None = None, block_t: int = 16,
-                num_warps: int = 8) -> None:
+                num_warps: int = 8, pv_order: bool = False) -> None:
     """q, k, v (H, F, D) -> q8 (H, F, D), k_cache (H, S, D) and vt_cache (H, D, S) rows/cols at `slot`.
 
     With `head_norm` ((3, H, D) gains of q, k, v; eps), q, k, v are raw projections (any strides with a
     contiguous last dim, e.g. views of the (F, 3*H*D) QKV output) and get their per-head RMS norms here.
     Small token blocks (16 rows, 8 warps) keep more rows in flight across the SMs than blocks of 64
-    (`engine.bench step` times the cache upkeep both ways)."""
+    (`engine.bench step` times the cache upkeep both ways). With `pv_order`, V's slots go where the
+    warp-specialised attention kernel reads them (fp8_attention_ws.pv_slot_order)."""
     H, F, D = k.shape
     S = k_cache.shape[1]
     for x in (q, k, v):
@@ -106,7 +110,7 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     _write_frame_kernel[grid](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos, sin, pos_idx, slot, q8, k_cache, vt_cache, valid, q_scale, k_scale, v_scale, gains, eps, F, S, H,
-        D=D, BLOCK_T=block_t, EXACT=interpreting(), NORM=head_norm is not None, num_warps=num_warps,
+        D=D, BLOCK_T=block_t, EXACT=interpreting(), NORM=head_norm is not None, PV_ORDER=pv_order, num_warps=num_warps,
     )
 
 
