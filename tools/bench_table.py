@@ -287,7 +287,8 @@ def ncu_summary(name: str) -> str | None:
             f"output `docs/results/{name}`; profiled at the tool's locked {found['clock']} GHz, so {found['us']} us): the tensor "
             f"pipe busy {found['tensor']}% of the time, instructions issued in {found['busy']}% of scheduler cycles, no warp "
             f"ready to issue in {found['idle']}%; the stall it singles out is warps waiting at a warpgroup barrier ({found['barrier']}% "
-            "of stall cycles). Profiled before the tile-flag loads were issued ahead of the products, which measured the same.")
+            "of stall cycles). Profiled before the tile-flag loads were issued ahead of the products, which measured the same, "
+            "and before P was renamed in place for the P·V product (below).")
 
 
 def ncu_source_summary(name: str) -> str | None:
@@ -309,7 +310,9 @@ def ncu_source_summary(name: str) -> str | None:
             f"{rest['share_of_samples']:.0%} of the samples are mostly warps parked at a barrier outside the loop: two "
             f"instructions run {once[0]['executed']:.0f} and {once[1]['executed']:.0f} times in the whole call (once or twice "
             f"per program) hold {once[0]['share_of_samples'] + once[1]['share_of_samples']:.0%} of all samples, so the "
-            "barrier share in the summary above is not the consumer's.")
+            "barrier share in the summary above is not the consumer's. Profiled before P was renamed in place for the P·V "
+            "product: the PRMT, SEL and SHFL.IDX counted here moved P between threads into the operand's layout; "
+            "`renamed_p=False` below still does.")
 
 
 def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None = None) -> list[str]:
@@ -332,7 +335,9 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
     rest = [k for k in prof["kernels"] if k["name"] not in used]
     rows.append(("everything else (patchify, time embedding, head, ...)", sum(k["ms"] for k in rest), sum(k["calls"] for k in rest)))
     out = ["Where one serving step's GPU time goes, kernel by kernel (the step run eagerly under `torch.profiler`, so that "
-           "each kernel shows by name; kernel durations only). Command: `python tools/step_profile.py` "
+           "each kernel shows by name; kernel durations only; the MLP branch runs on its side stream here too, so kernels "
+           "of the two streams overlap and the attention's and the cache write's durations include time they share the "
+           "SMs with the MLP's GEMMs, which the graph-timed breakdown above times alone). Command: `python tools/step_profile.py` "
            "(result: `docs/results/step_profile_57b_tp3_h200.json`).", "",
            "| kernels | ms per step | launches |", "|---|---|---|",
            *[f"| {label} | {t:.1f} | {n} |" for label, t, n in rows],
@@ -527,9 +532,13 @@ def main() -> None:
                     "tiles by TMA; a consumer warpgroup has q·kᵀ of the next tile in flight under its softmax; at block_m 64 "
                     "two programs share an SM, at 128 one program runs two consumer warpgroups sharing each K/V tile) by "
                     "tile shape and pipeline depth: "
-                    + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages{', ping-pong' if c.get('pingpong') else ''}: "
+                    + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages{', ping-pong' if c.get('pingpong') else ''}"
+                                f"{', P shuffled (renamed_p=False)' if c.get('renamed_p') is False else ''}: "
                                 f"{c['us']:.1f} us" for c in ws) + ". Ping-pong: the two consumer warpgroups of a 128-row program "
-                    "issue their products in turns (FlashAttention-3's schedule), so one's softmax runs under the other's products.", ""]
+                    "issue their products in turns (FlashAttention-3's schedule), so one's softmax runs under the other's products. "
+                    "P shuffled: the probabilities move between threads into the layout of the P·V product's FP8 operand at every "
+                    "block, V's slots in their own order; the default renames P's columns in its registers instead and the cache "
+                    "stores V's slots in the matching order (`pv_slot_order`), so nothing moves.", ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:
         out += ["## Step period with the decoder in its own process", "",
