@@ -212,10 +212,12 @@ def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor, head_no
                    **write_options) -> Callable[[], None]:
     """One step of the triton ring's upkeep: the sink re-derived once, then a frame write per attention call
     (with `head_norm`, applying the q, k, v head norms as the serving block has it do; `write_options`,
-    the write's launch settings, e.g. block_t and num_warps)."""
+    the write's settings, e.g. block_t and num_warps; V's slots in the order the cache's attention kernel
+    reads them unless pv_order is given)."""
     from engine.kernels.rope_write import rope_store, write_frame
 
     L, H, S, D = cache.k.shape
+    write_options = {"pv_order": cache.v_positions is not None, **write_options}
 
     def upkeep() -> None:
         rope_store(cache.sink_k.view(L * H, -1, D), cache._ref_cos, cache._ref_sin, cache.pos_idx,
@@ -347,6 +349,9 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             # the frame write with the token blocks it had before (64 rows, 4 warps; now 16 rows, 8 warps)
             out["cache_upkeep_ms_write_blocks_of_64"] = time_part(
                 _triton_upkeep(cache, full, q, head_norm=head_norm, block_t=64, num_warps=4))
+            if cache.v_positions is not None:  # what V's slots in the ws kernel's order cost the write
+                out["cache_upkeep_ms_v_in_slot_order"] = time_part(_triton_upkeep(cache, full, q, head_norm=head_norm,
+                                                                                  pv_order=False))
             out["attention_ms"] = time_part(attend)
             out["reset_rotation_ms"] = statistics.median(time_ms(
                 lambda: delta_rotate(cache.k.view(L * Hh, S, D), cache._reset_cos_t, cache._reset_sin_t,

@@ -199,7 +199,8 @@ class RingKVCache:
         return slice(start, end) if self.v_positions is None else self.v_positions[start:end]
 
     def vt_in_slot_order(self) -> torch.Tensor:
-        """vt (L, H, D, S) with slot j at column j, however the attention kernel has it stored."""
+        """vt (L, H, D, S) with slot j at column j, however the attention kernel has it stored: the cache itself
+        when in that order, else a reordered copy (to read; writes to it do not reach the cache)."""
         return self.vt if self.v_positions is None else self.vt[..., self.v_positions]
 
     def frame_slot(self, step: int) -> int:

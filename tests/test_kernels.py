@@ -72,6 +72,7 @@ def test_v_slots_are_stored_where_the_attention_kernel_reads_them(monkeypatch):
     """For a kernel that reads V's slots reordered (the warp-specialised one), the cache writes each slot's V
     where that kernel reads it (the sink in PyTorch, frames in the write kernel) and reads them back in slot
     order. The Triton kernel stands in for the reordering one here, so this runs on the CPU too."""
+    pytest.importorskip("triton.experimental.gluon")
     from engine.kernels.fp8_attention_ws import pv_slot_order
 
     g = torch.Generator().manual_seed(3)
@@ -465,6 +466,7 @@ def test_branch_streams_give_the_same_block_output_eagerly_and_in_a_cuda_graph()
 
 
 _HOPPER_BUILD = r"""
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -480,15 +482,21 @@ write = {**{n: "*bf16" for n in ("q", "k", "v")}, **{n: "i32" for n in ("s_qh", 
          "cos": "*fp32", "sin": "*fp32", "pos_idx": "*i32", "slot": "*i32", "q8": "*fp8e4nv", "k_cache": "*fp8e4nv",
          "vt_cache": "*fp8e4nv", "valid": "*i8", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32", "gains": "*bf16",
          "eps": "fp32", "F": "i32", "S": "i32", "H": "i32", "D": "constexpr", "BLOCK_T": "constexpr", "EXACT": "constexpr",
-         "NORM": "constexpr"}
+         "NORM": "constexpr", "PV_ORDER": "constexpr"}
 plain_sum = {n: gated[n] for n in ("a", "m", "ga", "gm", "x", "y", "K")}
 plain_sum.update(HAS_X="constexpr", BLOCK_K="constexpr")
 for kernel, sig, const in ((_ln_mod_quant_kernel, rows, {"BLOCK_K": 8192, "EXACT": False}),
                            (_gated_sum_kernel, plain_sum, {"HAS_X": True, "BLOCK_K": 1024}),
                            (_gated_sum_ln_quant_kernel, gated, {"BLOCK_K": 8192, "EXACT": False}),
-                           (_write_frame_kernel, write, {"D": 128, "BLOCK_T": 64, "EXACT": False, "NORM": True})):
-    ptx = triton.compile(ASTSource(kernel, sig, constexprs=const), target=hopper, options={"num_warps": 8}).asm["ptx"]
-    assert ".target sm_90" in ptx, kernel
+                           *((_write_frame_kernel, write, {"D": 128, "BLOCK_T": t, "EXACT": False, "NORM": True, "PV_ORDER": pv})
+                             for t in (16, 64) for pv in (False, True))):
+    built = triton.compile(ASTSource(kernel, sig, constexprs=const), target=hopper, options={"num_warps": 8})
+    assert ".target sm_90" in built.asm["ptx"], kernel
+    if kernel is _write_frame_kernel:  # V's (D, BLOCK_T) store runs along the slots in either order: coalesced
+        ir = built.asm["ttgir"]
+        store = re.search(r"tt\.store [^\n]*tensor<128x%dx!tt\.ptr<f8E4M3FN>, (#\w+)>" % const["BLOCK_T"], ir).group(1)
+        lanes, order = re.search(store + r" = #ttg\.blocked<\{[^}]*threadsPerWarp = \[\d+, (\d+)\][^}]*order = \[(\d)", ir).groups()
+        assert int(lanes) >= 8 and order == "1", (const, store, lanes, order)
 print("built")
 """
 

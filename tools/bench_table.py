@@ -335,9 +335,7 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
     rest = [k for k in prof["kernels"] if k["name"] not in used]
     rows.append(("everything else (patchify, time embedding, head, ...)", sum(k["ms"] for k in rest), sum(k["calls"] for k in rest)))
     out = ["Where one serving step's GPU time goes, kernel by kernel (the step run eagerly under `torch.profiler`, so that "
-           "each kernel shows by name; kernel durations only; the MLP branch runs on its side stream here too, so kernels "
-           "of the two streams overlap and the attention's and the cache write's durations include time they share the "
-           "SMs with the MLP's GEMMs, which the graph-timed breakdown above times alone). Command: `python tools/step_profile.py` "
+           "each kernel shows by name; kernel durations only). Command: `python tools/step_profile.py` "
            "(result: `docs/results/step_profile_57b_tp3_h200.json`).", "",
            "| kernels | ms per step | launches |", "|---|---|---|",
            *[f"| {label} | {t:.1f} | {n} |" for label, t, n in rows],

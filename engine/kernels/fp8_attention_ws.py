@@ -3,7 +3,8 @@
 The function of fp8_attention.py (q (H, M, D), K (H, S, D), V stored transposed (H, D, S), all e4m3
 with one scale per head, a validity byte per slot; output (M, H*D) bf16), scheduled by hand the way
 FlashAttention-3 schedules it, which Triton's own pipeliner does not. V's slots come in the order the
-P·V product reads them straight from the softmax's registers (`pv_slot_order`, written so by the cache).
+P·V product reads them straight from the softmax's registers (`pv_slot_order`, written so by the cache;
+in their own order with `renamed_p=False`, which shuffles P instead).
 
 - one producer warp streams K and Vᵀ tiles through the copy engine (TMA) into a ring of shared-memory
   stages, each guarded by a ready and an empty barrier, so loads never wait behind arithmetic;
@@ -264,7 +265,7 @@ class WarpSpecializedFP8Attention:
 
     def __call__(self, q8, k8, vt8, valid, qk_scale, v_scale, out):
         """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16; scales as FP8Attention.
-        vt8[:, :, j] holds the V of slot pv_slot_order(S)[j]."""
+        vt8[:, :, j] holds the V of slot pv_slot_order(S)[j] (of slot j with renamed_p False: see arrange_v)."""
         H, M, D = q8.shape
         q_desc, k_desc, vt_desc = self.descriptors(q8, k8, vt8)
         _attn_ws_kernel[(triton.cdiv(M, self.block_m), H)](

@@ -72,17 +72,23 @@ def _write_frame_kernel(
     # (a store between them would keep the compiler from hoisting the later loads above it).
     xq = _load_rows(q + h * s_qh, s_qt, tok, t_ok, gains + h * D, eps, D, NORM, EXACT)
     xk = _load_rows(k + h * s_kh, s_kt, tok, t_ok, gains + (H + h) * D, eps, D, NORM, EXACT)
-    xv = _load_rows(v + h * s_vh, s_vt, tok, t_ok, gains + (2 * H + h) * D, eps, D, NORM, EXACT)
+    if PV_ORDER:  # V's columns where the ws attention kernel reads them (fp8_attention_ws.pv_slot_order):
+        # this program stores the contiguous columns of one block from the frame's first 16-aligned column and
+        # gathers the tokens whose V goes there (whole rows, still contiguous reads), so the stores stay coalesced
+        col = (start & -16) + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        v_slot = (col & -16) | (((col >> 1) & 1) << 3) | (((col >> 3) & 1) << 2) | (((col >> 2) & 1) << 1) | (col & 1)
+        v_tok = v_slot - start
+        v_ok = (v_tok >= 0) & (v_tok < F)
+    else:
+        col, v_tok, v_ok = start + tok, tok, t_ok
+    xv = _load_rows(v + h * s_vh, s_vt, v_tok, v_ok, gains + (2 * H + h) * D, eps, D, NORM, EXACT)
     c, s = _angles(cos + table, sin + table, tok, t_ok, D)  # shared by q and k
     tl.store(q8 + h * F * D + tok[:, None] * D + d[None, :], _rotate_quant(xq, c, s, tl.load(q_scale + h), EXACT), mask=m)
     tl.store(k_cache + h * S * D + (start + tok)[:, None] * D + d[None, :], _rotate_quant(xk, c, s, tl.load(k_scale + h), EXACT),
              mask=m)
     # v goes to the transposed cache: store the (D, BLOCK_T) transpose so writes run along slots
     v8 = tl.trans(to_fp8(xv / tl.load(v_scale + h), EXACT))
-    col = start + tok
-    if PV_ORDER:  # where the warp-specialised attention reads slot `col` (fp8_attention_ws.pv_slot_order)
-        col = (col & ~15) | (((col >> 2) & 1) << 3) | (((col >> 1) & 1) << 2) | (((col >> 3) & 1) << 1) | (col & 1)
-    tl.store(vt_cache + h * D * S + d[:, None] * S + col[None, :], v8, mask=t_ok[None, :])
+    tl.store(vt_cache + h * D * S + d[:, None] * S + col[None, :], v8, mask=v_ok[None, :])
     if h == 0:
         tl.store(valid + start + tok, tl.full((BLOCK_T,), 1, tl.int8), mask=t_ok)
 
@@ -98,7 +104,8 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     contiguous last dim, e.g. views of the (F, 3*H*D) QKV output) and get their per-head RMS norms here.
     Small token blocks (16 rows, 8 warps) keep more rows in flight across the SMs than blocks of 64
     (`engine.bench step` times the cache upkeep both ways). With `pv_order`, V's slots go where the
-    warp-specialised attention kernel reads them (fp8_attention_ws.pv_slot_order)."""
+    warp-specialised attention kernel reads them (fp8_attention_ws.pv_slot_order): one more token block per
+    head, as the blocks of V's columns start at the frame's first 16-aligned slot; block_t a multiple of 16."""
     H, F, D = k.shape
     S = k_cache.shape[1]
     for x in (q, k, v):
@@ -106,7 +113,9 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     gains, eps = head_norm if head_norm is not None else (q_scale, 0.0)  # q_scale: any pointer, unread without NORM
     if head_norm is not None:
         assert gains.shape == (3, H, D) and gains.is_contiguous(), "head_norm gains must be a contiguous (3, H, D)"
-    grid = (triton.cdiv(F, block_t), H)
+    if pv_order and block_t % 16:
+        raise ValueError(f"pv_order needs block_t a multiple of 16 (V's slots are reordered within groups of 16), got {block_t}")
+    grid = (triton.cdiv(F + (15 if pv_order else 0), block_t), H)
     _write_frame_kernel[grid](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos, sin, pos_idx, slot, q8, k_cache, vt_cache, valid, q_scale, k_scale, v_scale, gains, eps, F, S, H,
