@@ -381,6 +381,12 @@ def main() -> None:
     if suite.is_file():
         out += ["GPU tests on one H200, the engine's test files run on the GPU (`bash tools/gpu_suite.sh tests`, output "
                 f"`docs/results/pytest_gpu_h200.txt`): `{suite.read_text().strip().splitlines()[-1]}`.", ""]
+    subset = RESULTS / "pytest_gpu_cache_attention_h200.txt"
+    if subset.is_file():
+        out += ["The kernel, attention, session and cache tests on the GPU at the code of the step benchmark below, run "
+                "beside it (`python -m pytest -q tests/test_kernels.py "
+                "tests/test_attention_ws.py tests/test_session.py tests/test_cache.py`, output "
+                f"`docs/results/{subset.name}`): `{subset.read_text().strip().splitlines()[-1]}`.", ""]
     step = load("step_57b_tp3_h200.json")
     out += fast_path_targets(step, load("attention_57b_tp3_h200.json"))
     if step:
@@ -422,6 +428,10 @@ def main() -> None:
             out += ["With the frame write in blocks of 64 rows and 4 warps (its setting before; now 16 rows, 8 warps; "
                     f"same run): cache upkeep {s['cache_upkeep_ms_write_blocks_of_64']:.2f} ms per step, against "
                     f"{s['cache_upkeep_ms']:.2f} ms above.", ""]
+        if "cache_upkeep_ms_v_in_slot_order" in s:
+            out += ["With V's slots written in their own order rather than the warp-specialised kernel's (`pv_order=False`; "
+                    f"the attention would then read them wrongly; same run): cache upkeep "
+                    f"{s['cache_upkeep_ms_v_in_slot_order']:.2f} ms per step, against {s['cache_upkeep_ms']:.2f} ms above.", ""]
         no_ws, ws = load("step_57b_tp3_h200_gemm_workspace_0.json"), load("step_57b_tp3_h200_gemm_workspace_1024.json")
         if no_ws and ws:
             out += ["cuBLASLt's workspace: the engine runs it at 0 KiB (`CUBLASLT_WORKSPACE_SIZE=0`, set when the FP8 linears "
