@@ -141,7 +141,7 @@ class RingKVCache:
         self.step = -1
         self.position = 0  # temporal position of the newest frame
         self.resets = 0
-        # Where each slot's V sits along vt's slot axis, where the attention kernel wants it otherwise (None: at its slot)
+        # The column of vt holding each slot's V, for a kernel that reads V's slots reordered (None: slot j at column j)
         self.v_positions: torch.Tensor | None = None
         if backend == "triton":
             self._init_triton(q_gains, attention_options or {})

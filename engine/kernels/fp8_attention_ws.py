@@ -221,9 +221,9 @@ def descriptor_layouts(block_m: int, block_n: int, head_dim: int) -> tuple:
 class WarpSpecializedFP8Attention:
     """Launcher, called like FP8Attention but with Vᵀ's slots in `pv_slot_order` (`permutes_v_slots`: the
     ring cache stores them so; with `renamed_p` False in their own order, P then shuffled between threads
-    into the P·V operand's layout at every block). block_m 64 runs one consumer warpgroup per program, two programs per SM
-    (maxnreg 128); block_m 128 runs two consumer warpgroups in partitions of their own, sharing each K/V
-    tile (half the tile traffic), one program per SM with more registers each."""
+    into the P·V operand's layout at every block). block_m 64 runs one consumer warpgroup per program,
+    two programs per SM (maxnreg 128); block_m 128 runs two consumer warpgroups in partitions of their
+    own, sharing each K/V tile (half the tile traffic), one program per SM with more registers each."""
 
     def arrange_v(self, vt8: torch.Tensor) -> torch.Tensor:
         """Vᵀ (H, D, S) in slot order -> the order this kernel reads (a copy; the cache writes it so directly)."""
