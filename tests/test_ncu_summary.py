@@ -27,3 +27,6 @@ def test_splits_the_loop_from_the_warps_that_only_wait(tmp_path):
     assert r["loop"]["stalls"] == {"wait": 0.688, "selected": 0.25, "barrier": 0.062}
     assert r["loop"]["opcodes"] == {"FFMA": 1, "MUFU.EX2": 1, "BRA": 1}
     assert r["rest"]["top"][0] == {"source": "NOP", "executed": 2.0, "share_of_samples": 0.59}
+    # the loop's instructions by their share of the loop's samples, each with its main stall reason
+    assert r["loop"]["top"][:2] == [{"source": "MUFU.EX2 R5, R1", "share_of_loop_samples": 0.5, "stall": "wait"},
+                                    {"source": "FFMA R1, R2, R3, R4", "share_of_loop_samples": 0.375, "stall": "wait"}]

@@ -279,16 +279,16 @@ def ncu_summary(name: str) -> str | None:
     found = {key: metric(pattern) for key, pattern in (
         ("clock", r"SM Frequency\s+Ghz\s+([\d.]+)"), ("us", r"Duration\s+us\s+([\d.]+)"),
         ("busy", r"Issue Slots Busy\s+%\s+([\d.]+)"), ("idle", r"No Eligible\s+%\s+([\d.]+)"),
-        ("tensor", r"Tensor is the highest-utilized pipeline \(([\d.]+)%\)"),
+        ("pipe", r"(\w+) is the highest-utilized pipeline"), ("pipe_pct", r"is the highest-utilized pipeline \(([\d.]+)%\)"),
         ("barrier", r"This stall type represents about ([\d.]+)% of the total"))}
     if None in found.values():
         return None
+    pipe = "shared (FP64 and tensor)" if found["pipe"] == "Shared" else found["pipe"].lower()
     return (f"Nsight Compute on one call of the warp-specialised kernel (64x128, 3 stages; `bash tools/gpu_suite.sh attention-ncu`, "
-            f"output `docs/results/{name}`; profiled at the tool's locked {found['clock']} GHz, so {found['us']} us): the tensor "
-            f"pipe busy {found['tensor']}% of the time, instructions issued in {found['busy']}% of scheduler cycles, no warp "
-            f"ready to issue in {found['idle']}%; the stall it singles out is warps waiting at a warpgroup barrier ({found['barrier']}% "
-            "of stall cycles). Profiled before the tile-flag loads were issued ahead of the products, which measured the same, "
-            "and before P was renamed in place for the P·V product (below).")
+            f"output `docs/results/{name}`; profiled at the tool's locked {found['clock']} GHz, so {found['us']} us): the busiest "
+            f"pipe is the {pipe} pipe at {found['pipe_pct']}%, instructions issued in {found['busy']}% of scheduler cycles, no warp "
+            f"ready to issue in {found['idle']}%; the stall it singles out is warps waiting at a barrier ({found['barrier']}% "
+            "of stall cycles), most of them the producer's idle warps (below).")
 
 
 def ncu_source_summary(name: str) -> str | None:
@@ -310,9 +310,11 @@ def ncu_source_summary(name: str) -> str | None:
             f"{rest['share_of_samples']:.0%} of the samples are mostly warps parked at a barrier outside the loop: two "
             f"instructions run {once[0]['executed']:.0f} and {once[1]['executed']:.0f} times in the whole call (once or twice "
             f"per program) hold {once[0]['share_of_samples'] + once[1]['share_of_samples']:.0%} of all samples, so the "
-            "barrier share in the summary above is not the consumer's. Profiled before P was renamed in place for the P·V "
-            "product: the PRMT, SEL and SHFL.IDX counted here moved P between threads into the operand's layout; "
-            "`renamed_p=False` below still does.")
+            f"barrier share in the summary above is not the consumer's. In the loop, the instructions holding most samples are "
+            + "; ".join(f"`{t['source']}` {t['share_of_loop_samples']:.1%} ({t['stall']})" for t in loop["top"][:3]) + "."
+            + (" The first is the wait for the block's P·V product: ptxas moves it from after the softmax, where the source "
+               "has it, to the softmax's start, so P·V does not run under the softmax."
+               if loop["top"][0]["source"].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") else ""))
 
 
 def pytest_run(name: str, what: str, command: str) -> list[str]:

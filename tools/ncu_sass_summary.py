@@ -7,6 +7,7 @@ The input is `ncu --page source --csv --print-source sass` of a report with the 
 consumer's loop body runs once per K/V block per warp, far more often than anything else, so the
 instructions executed at least half as often as the most executed one are "the loop"; the rest are the
 producer warp, the prologue and epilogue, and the warps that only wait for the others to finish.
+For the loop it gives the stall reasons, the opcodes, and the five instructions holding most of its samples.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ def summary(path: Path) -> dict:
         text = text.split(None, 1)[1] if text.startswith("@") else text  # predicate
         opcodes[text.split()[0]] += 1
     out["loop"]["opcodes"] = dict(opcodes.most_common(12))
+    loop_samples = sum(number(r[samples]) for r in groups["loop"]) or 1.0
+    stalled = sorted(groups["loop"], key=lambda r: -number(r[samples]))[:5]
+    out["loop"]["top"] = [{"source": r[source].strip(), "share_of_loop_samples": round(number(r[samples]) / loop_samples, 3),
+                           "stall": max(reasons, key=lambda k: number(r[col[k]])).removeprefix("stall_")} for r in stalled]
     top = sorted(groups["rest"], key=lambda r: -number(r[samples]))[:3]
     out["rest"]["top"] = [{"source": r[source].strip(), "executed": number(r[executed]),
                            "share_of_samples": round(number(r[samples]) / total, 3)} for r in top]
