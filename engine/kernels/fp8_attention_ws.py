@@ -8,8 +8,10 @@ in their own order with `renamed_p=False`, which shuffles P instead).
 
 - one producer warp streams K and Vᵀ tiles through the copy engine (TMA) into a ring of shared-memory
   stages, each guarded by a ready and an empty barrier, so loads never wait behind arithmetic;
-- the consumer warpgroup keeps the tensor cores fed across its softmax: q·kᵀ of block i+1 and P·V of
-  block i are issued together, and the softmax of block i+1 runs while P·V of block i is in flight;
+- the consumer warpgroup issues q·kᵀ of block i+1 and P·V of block i together and waits for q·kᵀ only.
+  The source waits for P·V after the softmax of block i+1, but ptxas moves that wait to the softmax's
+  start, so in the compiled kernel P·V overlaps the q·kᵀ wait, not the softmax. Carrying P·V's
+  accumulator across the loop's back edge keeps the overlap in the SASS, but was no faster on an H200;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
   own that share every K/V tile (half the tile traffic, more registers each; it measured no faster),
@@ -139,7 +141,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
             p8 = _p_operand(p, p_layout, BLOCK_M, BLOCK_N, RENAMED_P)
             mbarrier.wait(v_ready.index(cur), (i // STAGES) & 1)
             o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # q·kᵀ done; P·V may still run under the softmax below
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # q·kᵀ done; ptxas waits for P·V at the softmax's start
         mbarrier.arrive(k_empty.index(nxt), count=1)
         p, m_i, l_i, alpha = _softmax_block(s, valid, live_next, i + 1, S, scale, m_i, l_i, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
