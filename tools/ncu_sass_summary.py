@@ -44,10 +44,11 @@ def summary(path: Path) -> dict:
     groups: dict[str, list[list[str]]] = {"loop": [], "rest": []}
     for r in rows:
         groups["loop" if number(r[executed]) >= most / 2 else "rest"].append(r)
-    total = sum(number(r[samples]) for r in rows)
+    got_by_group = {name: sum(number(r[samples]) for r in members) for name, members in groups.items()}
+    total = sum(got_by_group.values())
     out: dict = {"source": str(path), "instructions": len(rows), "stall_samples": total}
     for name, members in groups.items():
-        got = sum(number(r[samples]) for r in members)
+        got = got_by_group[name]
         by_reason = {k.removeprefix("stall_"): sum(number(r[col[k]]) for r in members) for k in reasons}
         out[name] = {"instructions": len(members), "share_of_samples": round(got / total, 3),
                      "stalls": {k: round(v / got, 3) for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1]) if v > 0.005 * got}}
@@ -57,7 +58,7 @@ def summary(path: Path) -> dict:
         text = text.split(None, 1)[1] if text.startswith("@") else text  # predicate
         opcodes[text.split()[0]] += 1
     out["loop"]["opcodes"] = dict(opcodes.most_common(12))
-    loop_samples = sum(number(r[samples]) for r in groups["loop"]) or 1.0
+    loop_samples = got_by_group["loop"] or 1.0
     stalled = sorted(groups["loop"], key=lambda r: -number(r[samples]))[:5]
     out["loop"]["top"] = [{"source": r[source].strip(), "share_of_loop_samples": round(number(r[samples]) / loop_samples, 3),
                            "stall": max(reasons, key=lambda k: number(r[col[k]])).removeprefix("stall_")} for r in stalled]
