@@ -159,8 +159,10 @@ def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
 
 @torch.no_grad()
 def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dtype, *, fp8_gemms: bool,
-                 fused: bool = True, seed: int = 0, branch_streams: bool = True, fast_accum: bool = True) -> CausalVideoDiT:
-    """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device."""
+                 fused: bool = True, seed: int = 0, branch_streams: bool = True, fast_accum: bool = True,
+                 gemm_kernels: dict[str, str] | None = None) -> CausalVideoDiT:
+    """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device
+    (`gemm_kernels`: the FP8 linears' kernels, as quantize_linears_ takes them; None: the engine's default)."""
     from engine.kernels.fp8_linear import quantize_linears_
 
     with torch.device("meta"):
@@ -177,7 +179,7 @@ def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dt
             p.normal_(0.0, 0.02, generator=g)
     model = model.to(dtype)
     if fp8_gemms:
-        quantize_linears_(model, fuse=fused, branch_streams=branch_streams, fast_accum=fast_accum)
+        quantize_linears_(model, fuse=fused, branch_streams=branch_streams, fast_accum=fast_accum, gemm_kernels=gemm_kernels)
     return model.eval()
 
 
@@ -197,7 +199,7 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
         def run() -> None:
             for _ in range(spec.passes):
                 for blk in model.blocks:
-                    blk.qkv.forward_quantized(*h8), blk.attn_out(a), blk.mlp_in.forward_quantized(*h8)
+                    blk.qkv.forward_quantized(*h8), blk.attn_out(a), blk.mlp_in.swiglu_product(*h8)
                     blk.mlp_out.forward_quantized(*m8)
     else:
         def run() -> None:
@@ -272,12 +274,13 @@ def _step_stats(times: list[float], resets: list[float]) -> dict:
 
 @torch.no_grad()
 def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup: int, attention_options: dict | None,
-               branch_streams: bool = True, fast_accum: bool = True) -> dict:
+               branch_streams: bool = True, fast_accum: bool = True, mlp_in_gemm: str = "auto") -> dict:
     """One rank's step at tensor-parallel degree tp, communication left out: the serving path
     (ring FP8 cache with write-time kernels, FP8 attention, FP8 GEMMs, CUDA graph; each block's MLP
-    branch on a side stream with `branch_streams`; FP8 GEMMs with fast accumulation with `fast_accum`)
-    vs the baseline (naive cache with read-time RoPE, SDPA in bf16, bf16 GEMMs, eager). The serving
-    path's step is also timed with each of those two settings flipped, on the same weights."""
+    branch on a side stream with `branch_streams`; FP8 GEMMs with fast accumulation with `fast_accum`;
+    MLP-in's product on `mlp_in_gemm`, "auto" as the engine picks) vs the baseline (naive cache with
+    read-time RoPE, SDPA in bf16, bf16 GEMMs, eager). The serving path's step is also timed with each
+    of those settings flipped, on the same weights."""
     from engine.session import EngineSession
 
     full = get_spec(spec_name)
@@ -297,7 +300,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
 
     def run_config(fast: bool) -> dict:
         torch.cuda.empty_cache()
-        model = random_shard(full, tp, device, dtype, fp8_gemms=fast, branch_streams=branch_streams, fast_accum=fast_accum)
+        model = random_shard(full, tp, device, dtype, fp8_gemms=fast, branch_streams=branch_streams, fast_accum=fast_accum,
+                             gemm_kernels=None if mlp_in_gemm == "auto" else {"mlp_in": mlp_in_gemm})
         torch.cuda.reset_peak_memory_stats(device)
         serving = lambda options=attention_options: EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton",
                                                                   cuda_graph=True, attention_options=options)
@@ -320,6 +324,18 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                 out[f"step_ms_{'without' if on else 'with'}_{name}"] = median_step_ms(serving())
                 for o in objects:
                     setattr(o, name, on)
+            # MLP-in's FP8 product on the other kernel (cuBLAS, or Triton with SwiGLU in its epilogue); then all four on Triton
+            mlp_in = model.blocks[0].mlp_in.gemm_kernel
+            other = "cublas" if mlp_in == "triton" else "triton"
+            out["mlp_in_gemm"] = mlp_in
+            for label, names, kernel in ((f"mlp_in_gemm_{other}", ("mlp_in",), other), ("triton_gemms", BLOCK_LINEARS, "triton")):
+                chosen = [getattr(b, n) for b in model.blocks for n in names]
+                before = [o.gemm_kernel for o in chosen]
+                for o in chosen:
+                    o.gemm_kernel = kernel
+                out[f"step_ms_with_{label}"] = median_step_ms(serving())
+                for o, kernel_before in zip(chosen, before):
+                    o.gemm_kernel = kernel_before
             out["attention_kernel"] = session.cache.attention_kernel
             if session.cache.attention_kernel == "ws":  # and with the Triton FP8 attention kernel instead
                 out["step_ms_with_triton_attention"] = median_step_ms(serving({"kernel": "triton"}))
@@ -720,6 +736,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="each block's MLP branch on a side stream beside its attention (the other setting is timed too)")
     st.add_argument("--fast-accum", choices=("on", "off"), default="on",
                     help="FP8 GEMMs with the tensor cores' fast accumulation (the other setting is timed too)")
+    st.add_argument("--mlp-in-gemm", choices=("auto", "cublas", "triton"), default="auto",
+                    help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
+                         "Hopper; the other is timed too)")
     st.add_argument("--attention-options", default="{}", help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
@@ -749,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_step_group(args.spec, args.world, args.steps, args.warmup)
         elif args.bench == "step":
             result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, json.loads(args.attention_options),
-                                branch_streams=args.branch_streams == "on", fast_accum=args.fast_accum == "on")
+                                branch_streams=args.branch_streams == "on", fast_accum=args.fast_accum == "on",
+                                mlp_in_gemm=args.mlp_in_gemm)
         else:
             result = bench_attention(args.spec, args.tp_shard, device, args.repeats)
     except ValueError as e:

@@ -256,8 +256,8 @@ def power_summary(name: str) -> str | None:
     clock = [float(r[1].split()[0]) for r in busy]
     power = [float(r[3].split()[0]) for r in busy]
     capped = sum(1 for r in busy if int(r[6].strip(), 16) & 0x4)  # clocks_event_reasons: SW power cap
-    return (f"Clock and power through `bash tools/gpu_suite.sh step` (the profile, then the step benchmark above, in the "
-            f"same run; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
+    return (f"Clock and power through `bash tools/gpu_suite.sh step` (the profile, then a run of the step benchmark, in one "
+            f"call at the serving code of the step above; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
             f"{statistics.median(clock):.0f} MHz (min {min(clock):.0f}, max {float(busy[0][2].split()[0]):.0f}), power median "
             f"{statistics.median(power):.0f} W of a {busy[0][4].strip()} limit; the software power cap was holding the clock "
             f"down in {capped / len(busy):.0%} of these samples.")
@@ -330,6 +330,7 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
     if not prof:
         return []
     groups = [("FP8 GEMMs (cuBLAS, `torch._scaled_mm`)", lambda n: n.startswith("nvjet_sm90_qq")),
+              ("FP8 GEMM with SwiGLU in its epilogue (Triton, MLP-in)", lambda n: n == "_fp8_gemm_kernel"),
               ("FP8 attention", lambda n: n in ("_attn_kernel", "_attn_ws_kernel")),
               ("fused block kernels (LayerNorm + quantise, SwiGLU + quantise, gated sum (+ the next LayerNorm), row quantise)",
                lambda n: n in ("_ln_mod_quant_kernel", "_qkv_norm_kernel", "_swiglu_quant_kernel", "_gated_sum_kernel",
@@ -355,9 +356,12 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
                 "kernel were the benchmark's defaults: these GEMMs promote their sums to float32, and the attention row "
                 "is the Triton kernel.)", ""]
     elif step_ms:
-        line = f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here."
+        line = (f"The graph-replayed step above takes {step_ms:.1f} ms against {prof['kernel_ms_total']:.1f} ms of kernel time here. "
+                "With each block's MLP branch on its side stream, kernels of the two branches overlap, and a kernel's time "
+                "here includes the wait for SMs that the other branch's kernel holds (the cache write beside the persistent "
+                "MLP-in GEMM, for one).")
         if gemm_ms:
-            line += (f" The GEMMs' kernels add up to {rows[0][1]:.1f} ms here, run eagerly with launch gaps between them, and take "
+            line += (f" The GEMMs' kernels (the first two rows) add up to {rows[0][1] + rows[1][1]:.1f} ms here, run eagerly with launch gaps between them, and take "
                      f"{gemm_ms:.1f} ms back to back in a CUDA graph (the GEMM row above); the clock log below shows the power "
                      "cap holding the SM clock down while the GPU is busy, which would account for the difference.")
         out += [line, ""]
@@ -425,6 +429,13 @@ def main() -> None:
             if key in s:
                 out += [f"With {what} (`--{setting}`; same weights, same run): "
                         f"{ms(s[key])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+        if "mlp_in_gemm" in s:
+            other = "cublas" if s["mlp_in_gemm"] == "triton" else "triton"
+            kernel = {"triton": "the Triton FP8 GEMM with SwiGLU in its epilogue", "cublas": "cuBLAS, then the SwiGLU pass"}
+            out += [f"MLP-in's product above: {kernel[s['mlp_in_gemm']]}. With {kernel[other]} (`--mlp-in-gemm {other}`; "
+                    f"same weights, same run): {ms(s[f'step_ms_with_mlp_in_gemm_{other}'])} ms per step, against "
+                    f"{ms(s['step_ms'])} ms above. With all four block GEMMs on the Triton kernel (same run): "
+                    f"{ms(s['step_ms_with_triton_gemms'])} ms.", ""]
         if "step_ms_with_triton_attention" in s:
             out += ["With the Triton FP8 attention kernel instead of the warp-specialised one "
                     "(`--attention-options '{\"kernel\": \"triton\"}'`; same weights, same run): "

@@ -10,6 +10,7 @@ the hardware's round-to-nearest-even cast is used.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 
@@ -62,20 +63,27 @@ ATTENTION_KERNELS = ("auto", "triton", "ws")
 WS_HEAD_DIMS = (32, 64, 128)  # head sizes the warp-specialised kernel is built for
 
 
+def hopper_feature(device_index: int, feature: str, module: str, fallback: str) -> bool:
+    """A Hopper GPU (sm_90) and a Triton with `module` importable: whether `feature` runs, with one log line
+    either way (`fallback`: what serves instead). Callers cache it per device."""
+    capability = torch.cuda.get_device_capability(device_index)
+    if capability[0] != 9:
+        log.info("%s off: it is for Hopper, this GPU is sm_%d%d; %s", feature, *capability, fallback)
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # an older Triton
+        log.info("%s off: %s not importable (%s); %s", feature, module, e, fallback)
+        return False
+    log.info("%s on (%s)", feature, torch.cuda.get_device_name(device_index))
+    return True
+
+
 @functools.cache
 def warp_specialized_attention_runs(device_index: int) -> bool:
     """A Hopper GPU (sm_90) and a Triton with Gluon's Hopper ops; probed once per device."""
-    capability = torch.cuda.get_device_capability(device_index)
-    if capability[0] != 9:
-        log.info("warp-specialised FP8 attention off: it is for Hopper, this GPU is sm_%d%d", *capability)
-        return False
-    try:
-        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
-    except Exception as e:  # an older Triton
-        log.info("warp-specialised FP8 attention off: Gluon's Hopper ops not importable (%s)", e)
-        return False
-    log.info("warp-specialised FP8 attention available (%s)", torch.cuda.get_device_name(device_index))
-    return True
+    return hopper_feature(device_index, "warp-specialised FP8 attention", "triton.experimental.gluon.language.nvidia.hopper",
+                          "the Triton FP8 attention kernel serves")
 
 
 def attention_kernel(kernel: str, device: torch.device, head_dim: int) -> str:

@@ -9,6 +9,7 @@ dequantised float matmul, the reference the GPU path is held to.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -22,6 +23,8 @@ from engine.kernels import interpreting
 from engine.kernels.common import to_fp8
 
 log = logging.getLogger("talkloop.kernels")
+
+FP8_GEMM_KERNELS = ("cublas", "triton")  # torch._scaled_mm | engine/kernels/fp8_gemm.py
 
 
 @triton.jit
@@ -54,11 +57,20 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 class FP8Linear(nn.Module):
     """A bias-free nn.Linear with e4m3 weights and per-output-channel scales."""
 
-    def __init__(self, linear: nn.Linear, use_scaled_mm: bool | None = None, fast_accum: bool = False):
+    def __init__(self, linear: nn.Linear, use_scaled_mm: bool | None = None, fast_accum: bool = False,
+                 gemm_kernel: str = "cublas", gate_up_block: int = 0):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("FP8Linear takes bias-free linears")
         w = linear.weight.detach()
+        # A [gate; up] linear may store its rows interleaved in blocks of `gate_up_block`
+        # (fp8_gemm.interleave_gate_up): the order the Triton kernel's SwiGLU form reads. Outputs keep
+        # the [gate | up] order either way; only `swiglu_quantized` reads the stored order directly.
+        if gate_up_block:
+            from engine.kernels.fp8_gemm import interleave_gate_up
+
+            w = interleave_gate_up(w, gate_up_block)
+        self.gate_up_block = gate_up_block
         sw = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / fp8.FP8_MAX  # (N, 1)
         self.register_buffer("weight8", (w.float() / sw).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8))
         self.register_buffer("weight_scale", sw.t().contiguous())  # (1, N)
@@ -66,8 +78,14 @@ class FP8Linear(nn.Module):
         on_hopper = w.is_cuda and torch.cuda.get_device_capability(w.device) >= (8, 9)
         self.use_scaled_mm = on_hopper if use_scaled_mm is None else use_scaled_mm
         # Tensor-core FP8 accumulation without the periodic promotion to float32 (faster, less exact;
-        # what FP8 inference stacks use for forward GEMMs). Only `torch._scaled_mm` has it.
+        # what FP8 inference stacks use for forward GEMMs). GPU only.
         self.fast_accum = fast_accum
+        # The GPU's FP8 product: "cublas" (torch._scaled_mm) or "triton" (fp8_gemm.py, which also has the
+        # SwiGLU form: `swiglu_quantized`)
+        if gemm_kernel not in FP8_GEMM_KERNELS:
+            raise ValueError(f"gemm_kernel must be one of {', '.join(FP8_GEMM_KERNELS)}, got {gemm_kernel!r}")
+        self.gemm_kernel = gemm_kernel
+        self._launchers: dict[tuple[bool, bool], object] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -78,12 +96,50 @@ class FP8Linear(nn.Module):
             y = self.forward_quantized(*quantize_rows_reference(x2)).to(x.dtype)
         return y.reshape(*lead, self.out_features)
 
-    def forward_quantized(self, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-        """Already-quantised activations (M, K) e4m3 with per-row scales (M, 1) -> (M, N) bf16."""
+    def _triton_gemm(self, swiglu: bool):
+        key = (swiglu, self.fast_accum)
+        if key not in self._launchers:
+            from engine.kernels.fp8_gemm import FP8GEMM
+
+            self._launchers[key] = FP8GEMM(self.weight8, self.weight_scale, swiglu=swiglu, fast_accum=self.fast_accum,
+                                           block_n=self.gate_up_block if swiglu else 128)
+        return self._launchers[key]
+
+    def _stored_order_product(self, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """(M, N) bf16, its columns in the weight's stored row order."""
+        if self.use_scaled_mm and self.gemm_kernel == "triton":
+            return self._triton_gemm(False)(x8, sx)
         if self.use_scaled_mm:
             return torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.weight_scale, out_dtype=torch.bfloat16,
                                     use_fast_accum=self.fast_accum)
         return ((x8.float() * sx) @ (self.weight8.float() * self.weight_scale.t()).t()).to(torch.bfloat16)
+
+    def forward_quantized(self, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """Already-quantised activations (M, K) e4m3 with per-row scales (M, 1) -> (M, N) bf16."""
+        y = self._stored_order_product(x8, sx)
+        if self.gate_up_block:  # back to [gate | up]
+            y = y.unflatten(-1, (-1, 2, self.gate_up_block)).transpose(-3, -2).flatten(-3)
+        return y
+
+
+    def swiglu_quantized(self, x8: torch.Tensor, sx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a [gate | up] linear (out_features 2H): silu(gate) * up of the product, (M, H), as per-row FP8 and
+        scales (M, 1). The Triton kernel forms it in the product's epilogue, so the (M, 2H) product is never
+        stored; otherwise the product is stored in bf16 and a fused pass reads it back."""
+        from engine.kernels.fused_block import swiglu_quant
+
+        if not self.use_scaled_mm:  # the reference: the product in [gate | up] order
+            return swiglu_quant(self.forward_quantized(x8, sx))
+        y = self.swiglu_product(x8, sx)
+        return quantize_rows(y) if self._swiglu_in_epilogue() else swiglu_quant(y, interleave=self.gate_up_block)
+
+    def _swiglu_in_epilogue(self) -> bool:
+        return self.use_scaled_mm and self.gemm_kernel == "triton" and bool(self.gate_up_block)
+
+    def swiglu_product(self, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """The GEMM part of `swiglu_quantized` (GPU): silu(gate) * up (M, H) from the Triton kernel's SwiGLU
+        form, or else the (M, 2H) product in the weight's stored row order."""
+        return self._triton_gemm(True)(x8, sx) if self._swiglu_in_epilogue() else self._stored_order_product(x8, sx)
 
 
 BLOCK_LINEARS = ("qkv", "attn_out", "mlp_in", "mlp_out")  # the block linears FP8 serves
@@ -105,20 +161,50 @@ def prefer_static_gemm_schedule() -> bool:
     return True
 
 
-def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False) -> nn.Module:
+SWIGLU_BLOCK = 128  # MLP-in's gate/up interleave: the Triton SwiGLU form's output tile width
+
+
+@functools.cache
+def triton_fp8_gemm_runs(device_index: int) -> bool:
+    """A Hopper GPU (sm_90) and a Triton with host-side TMA descriptors; probed once per device."""
+    from engine.kernels import hopper_feature
+
+    return hopper_feature(device_index, "Triton FP8 GEMM for MLP-in (SwiGLU in its epilogue)", "triton.tools.tensor_descriptor",
+                          "cuBLAS serves every FP8 linear")
+
+
+def default_gemm_kernels(device: torch.device | None) -> dict[str, str]:
+    """Per block linear, the FP8 product's kernel: the Triton SwiGLU form for MLP-in on Hopper (it measured
+    faster than cuBLAS plus the SwiGLU pass, docs/benchmarks.md), cuBLAS for the rest and elsewhere."""
+    if device is not None and device.type == "cuda" and triton_fp8_gemm_runs(device.index or 0):
+        return {"mlp_in": "triton"}
+    return {}
+
+
+def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False,
+                      gemm_kernels: dict[str, str] | None = None) -> nn.Module:
     """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
     (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention);
-    `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only)."""
+    `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only); `gemm_kernels`: the FP8
+    product's kernel per linear name (FP8_GEMM_KERNELS; cuBLAS for any not named)."""
+    on_gpu = [p.device for p in model.parameters() if p.is_cuda]
+    gemm_kernels = default_gemm_kernels(on_gpu[0] if on_gpu else None) if gemm_kernels is None else gemm_kernels
+    if unknown := set(gemm_kernels) - set(BLOCK_LINEARS):
+        raise ValueError(f"gemm_kernels names {sorted(unknown)}; the block linears are {', '.join(BLOCK_LINEARS)}")
     from engine.kernels.fused_block import FusedPass, block_forward
 
-    if any(p.is_cuda for p in model.parameters()):
+    if on_gpu:
         prefer_static_gemm_schedule()
     shared = FusedPass(model.blocks)
     for index, block in enumerate(model.blocks):
         block.fused_pass = (shared, index)
         for name in BLOCK_LINEARS:
-            if not isinstance(getattr(block, name), FP8Linear):
-                setattr(block, name, FP8Linear(getattr(block, name), fast_accum=fast_accum))
+            linear = getattr(block, name)
+            if not isinstance(linear, FP8Linear):
+                # MLP-in's gate and up rows interleaved where they tile (the Triton kernel's SwiGLU form reads them so)
+                block_rows = SWIGLU_BLOCK if name == "mlp_in" and linear.out_features % (2 * SWIGLU_BLOCK) == 0 else 0
+                setattr(block, name, FP8Linear(linear, fast_accum=fast_accum, gemm_kernel=gemm_kernels.get(name, "cublas"),
+                                               gate_up_block=block_rows))
         block.fused_forward = block_forward if fuse else None
         block.branch_streams = fuse and branch_streams
     return model

@@ -59,25 +59,34 @@ def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
 
 
 @triton.jit
-def _swiglu_quant_kernel(gu, m8, sm, K, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+def _swiglu_quant_kernel(gu, m8, sm, K, BLOCK_K: tl.constexpr, EXACT: tl.constexpr, INTERLEAVE: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_K)
     ok = c < K
-    g = tl.load(gu + row * 2 * K + c, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(gu + row * 2 * K + K + c, mask=ok, other=0.0).to(tl.float32)
+    if INTERLEAVE:  # gate and up in alternating blocks of INTERLEAVE columns
+        g_col = (c // INTERLEAVE) * 2 * INTERLEAVE + c % INTERLEAVE
+        u_col = g_col + INTERLEAVE
+    else:  # [gate | up]
+        g_col = c
+        u_col = K + c
+    g = tl.load(gu + row * 2 * K + g_col, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu + row * 2 * K + u_col, mask=ok, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
     s = tl.maximum(tl.max(tl.abs(y), 0), 1e-12) / 448.0
     tl.store(m8 + row * K + c, to_fp8(y / s, EXACT), mask=ok)
     tl.store(sm + row, s)
 
 
-def swiglu_quant(gu: torch.Tensor):
-    """gu (N, 2K) = [gate | up] -> FP8 of silu(gate) * up (N, K) and per-token scales (N, 1)."""
+def swiglu_quant(gu: torch.Tensor, interleave: int = 0):
+    """gu (N, 2K) = [gate | up] -> FP8 of silu(gate) * up (N, K) and per-token scales (N, 1). With `interleave`,
+    gu's columns alternate between blocks of that many gate and up columns (fp8_gemm.interleave_gate_up)."""
     N, K2 = gu.shape
     K = K2 // 2
+    if interleave and K % interleave:
+        raise ValueError(f"interleave ({interleave}) must divide the {K} gate columns")
     m8 = torch.empty(N, K, device=gu.device, dtype=fp8.FP8)
     sm = torch.empty(N, 1, device=gu.device, dtype=torch.float32)
-    _swiglu_quant_kernel[(N,)](gu, m8, sm, K, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
+    _swiglu_quant_kernel[(N,)](gu, m8, sm, K, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(), INTERLEAVE=interleave,
                                num_warps=8 if K >= 4096 else 4)
     return m8, sm
 
@@ -236,7 +245,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     fused_combine = block.fused_combine is not None
 
     def mlp_branch():
-        m8, sm = swiglu_quant(block.mlp_in.forward_quantized(h8, sh))
+        m8, sm = block.mlp_in.swiglu_quantized(h8, sh)
         return (m8, sm) if fused_combine else block.mlp_out.forward_quantized(m8, sm)
 
     if side is not None:
