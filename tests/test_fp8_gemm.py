@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from engine.kernels.fp8_gemm import FP8GEMM, fp8_gemm_reference, interleave_gate_up  # noqa: E402
-from engine.kernels.fp8_linear import FP8Linear  # noqa: E402
+from engine.kernels.fp8_linear import FP8Linear, default_gemm_kernels  # noqa: E402
 from engine.kernels.fused_block import swiglu_quant  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -92,6 +92,13 @@ def test_fp8_linear_with_interleaved_rows_keeps_its_outputs():
     m_a, s_a = plain.swiglu_quantized(x8, sx)
     m_b, s_b = blocked.swiglu_quantized(x8, sx)
     assert torch.equal(m_a.float(), m_b.float()) and torch.equal(s_a, s_b)
+
+
+def test_default_kernels_take_triton_only_where_the_swiglu_form_tiles():
+    assert default_gemm_kernels(torch.device("cpu"), 2048) == {}
+    assert default_gemm_kernels(None, 2048) == {}
+    if DEVICE.type == "cuda":
+        assert default_gemm_kernels(DEVICE, 2 * 96) == {}  # gate/up halves of 96 columns: no 128-wide tiles
 
 
 @pytest.mark.gpu

@@ -173,10 +173,12 @@ def triton_fp8_gemm_runs(device_index: int) -> bool:
                           "cuBLAS serves every FP8 linear")
 
 
-def default_gemm_kernels(device: torch.device | None) -> dict[str, str]:
-    """Per block linear, the FP8 product's kernel: the Triton SwiGLU form for MLP-in on Hopper (it measured
-    faster than cuBLAS plus the SwiGLU pass, docs/benchmarks.md), cuBLAS for the rest and elsewhere."""
-    if device is not None and device.type == "cuda" and triton_fp8_gemm_runs(device.index or 0):
+def default_gemm_kernels(device: torch.device | None, mlp_in_features: int) -> dict[str, str]:
+    """Per block linear, the FP8 product's kernel: the Triton SwiGLU form for MLP-in on Hopper where its gate and
+    up halves tile (it measured faster than cuBLAS plus the SwiGLU pass, docs/benchmarks.md), cuBLAS for the
+    rest and elsewhere."""
+    tiles = mlp_in_features % (2 * SWIGLU_BLOCK) == 0
+    if tiles and device is not None and device.type == "cuda" and triton_fp8_gemm_runs(device.index or 0):
         return {"mlp_in": "triton"}
     return {}
 
@@ -188,7 +190,8 @@ def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool 
     `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only); `gemm_kernels`: the FP8
     product's kernel per linear name (FP8_GEMM_KERNELS; cuBLAS for any not named)."""
     on_gpu = [p.device for p in model.parameters() if p.is_cuda]
-    gemm_kernels = default_gemm_kernels(on_gpu[0] if on_gpu else None) if gemm_kernels is None else gemm_kernels
+    if gemm_kernels is None:
+        gemm_kernels = default_gemm_kernels(on_gpu[0] if on_gpu else None, model.blocks[0].mlp_in.out_features)
     if unknown := set(gemm_kernels) - set(BLOCK_LINEARS):
         raise ValueError(f"gemm_kernels names {sorted(unknown)}; the block linears are {', '.join(BLOCK_LINEARS)}")
     from engine.kernels.fused_block import FusedPass, block_forward
