@@ -162,7 +162,7 @@ def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dt
                  fused: bool = True, seed: int = 0, branch_streams: bool = True, fast_accum: bool = True,
                  gemm_kernels: dict[str, str] | None = None) -> CausalVideoDiT:
     """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device
-    (`gemm_kernels`: the FP8 linears' kernels, as quantize_linears_ takes them; None: the engine's default)."""
+    (`gemm_kernels`: FP8 linears' kernels over the engine's defaults, as quantize_linears_ takes them)."""
     from engine.kernels.fp8_linear import quantize_linears_
 
     with torch.device("meta"):
@@ -274,11 +274,11 @@ def _step_stats(times: list[float], resets: list[float]) -> dict:
 
 @torch.no_grad()
 def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup: int, attention_options: dict | None,
-               branch_streams: bool = True, fast_accum: bool = True, mlp_in_gemm: str = "auto") -> dict:
+               branch_streams: bool = True, fast_accum: bool = True, gemm_kernels: dict[str, str] | None = None) -> dict:
     """One rank's step at tensor-parallel degree tp, communication left out: the serving path
     (ring FP8 cache with write-time kernels, FP8 attention, FP8 GEMMs, CUDA graph; each block's MLP
     branch on a side stream with `branch_streams`; FP8 GEMMs with fast accumulation with `fast_accum`;
-    MLP-in's product on `mlp_in_gemm`, "auto" as the engine picks) vs the baseline (naive cache with
+    `gemm_kernels` over the engine's default FP8 GEMM kernels) vs the baseline (naive cache with
     read-time RoPE, SDPA in bf16, bf16 GEMMs, eager). The serving path's step is also timed with each
     of those settings flipped, on the same weights."""
     from engine.session import EngineSession
@@ -301,7 +301,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     def run_config(fast: bool) -> dict:
         torch.cuda.empty_cache()
         model = random_shard(full, tp, device, dtype, fp8_gemms=fast, branch_streams=branch_streams, fast_accum=fast_accum,
-                             gemm_kernels=None if mlp_in_gemm == "auto" else {"mlp_in": mlp_in_gemm})
+                             gemm_kernels=gemm_kernels)
         torch.cuda.reset_peak_memory_stats(device)
         serving = lambda options=attention_options: EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton",
                                                                   cuda_graph=True, attention_options=options)
@@ -325,9 +325,9 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                 for o in objects:
                     setattr(o, name, on)
             # MLP-in's FP8 product on the other kernel (cuBLAS, or Triton with SwiGLU in its epilogue); then all four on Triton
-            mlp_in = model.blocks[0].mlp_in.gemm_kernel
-            other = "cublas" if mlp_in == "triton" else "triton"
-            out["mlp_in_gemm"] = mlp_in
+            kernels = {n: getattr(model.blocks[0], n).gemm_kernel for n in BLOCK_LINEARS}
+            out["gemm_kernels"] = kernels
+            other = "cublas" if kernels["mlp_in"] == "triton" else "triton"
             for label, names, kernel in ((f"mlp_in_gemm_{other}", ("mlp_in",), other), ("triton_gemms", BLOCK_LINEARS, "triton")):
                 chosen = [getattr(b, n) for b in model.blocks for n in names]
                 before = [o.gemm_kernel for o in chosen]
@@ -769,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.bench == "step":
             result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, json.loads(args.attention_options),
                                 branch_streams=args.branch_streams == "on", fast_accum=args.fast_accum == "on",
-                                mlp_in_gemm=args.mlp_in_gemm)
+                                gemm_kernels=None if args.mlp_in_gemm == "auto" else {"mlp_in": args.mlp_in_gemm})
         else:
             result = bench_attention(args.spec, args.tp_shard, device, args.repeats)
     except ValueError as e:

@@ -7,6 +7,11 @@ form's per-row FP8 output is within 4% (relative L2) of the exact silu(gate) * u
 of the error the cuBLAS path makes (both round to e4m3: ~2% each).
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -132,3 +137,40 @@ def test_gpu_swiglu_through_fp8_linear_and_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(g8.float(), m8.float()) and torch.equal(gs, sm)
+
+
+_HOPPER_BUILD = r"""
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
+from engine.kernels.fp8_gemm import _fp8_gemm_kernel
+
+hopper = GPUTarget("cuda", 90, 32)
+def desc(rows, cols, block, dtype=torch.float8_e4m3fn):
+    return mangle_type(TensorDescriptor.from_tensor(torch.zeros(rows, cols, dtype=dtype), list(block)))
+const = lambda *names: {n: "constexpr" for n in names}
+builds = []
+for swiglu, stages in ((False, 4), (True, 3)):  # the launcher's defaults, at the 57b shard's tiles
+    sig = {"x_desc": desc(256, 256, (128, 128)), "w_desc": desc(512, 256, (256 if swiglu else 128, 128)),
+           "y_desc": desc(256, 256, (128, 128), torch.bfloat16), "sx": "*fp32", "sw": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+           **const("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PROGRAMS", "SWIGLU", "PROMOTE_EVERY", "EXACT")}
+    values = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, PROGRAMS=132, SWIGLU=swiglu, PROMOTE_EVERY=None, EXACT=False)
+    builds.append(triton.compile(ASTSource(_fp8_gemm_kernel, sig, constexprs=values), target=hopper,
+                                 options={"num_warps": 8, "num_stages": stages}))
+for built in builds:
+    ptx = built.asm["ptx"]
+    assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx, built.name
+    assert built.metadata.shared <= 232448, (built.name, built.metadata.shared)  # an H100/H200 block's shared memory
+print("built")
+"""
+
+
+def test_the_gemm_kernel_builds_for_hopper():
+    """The GEMM kernel compiles for sm_90a in both forms with the launcher's tiles (TMA descriptors, wgmma, the
+    flattened tile loop) and fits a block's shared memory, on any machine (ptxas ships with Triton)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("built"), out.stderr[-3000:]

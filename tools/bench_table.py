@@ -429,13 +429,15 @@ def main() -> None:
             if key in s:
                 out += [f"With {what} (`--{setting}`; same weights, same run): "
                         f"{ms(s[key])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
-        if "mlp_in_gemm" in s:
-            other = "cublas" if s["mlp_in_gemm"] == "triton" else "triton"
-            kernel = {"triton": "the Triton FP8 GEMM with SwiGLU in its epilogue", "cublas": "cuBLAS, then the SwiGLU pass"}
-            out += [f"MLP-in's product above: {kernel[s['mlp_in_gemm']]}. With {kernel[other]} (`--mlp-in-gemm {other}`; "
-                    f"same weights, same run): {ms(s[f'step_ms_with_mlp_in_gemm_{other}'])} ms per step, against "
-                    f"{ms(s['step_ms'])} ms above. With all four block GEMMs on the Triton kernel (same run): "
-                    f"{ms(s['step_ms_with_triton_gemms'])} ms.", ""]
+        kernels = s.get("gemm_kernels") or ({"mlp_in": s["mlp_in_gemm"]} if "mlp_in_gemm" in s else {})
+        described = {"triton": "MLP-in on the Triton FP8 GEMM with SwiGLU in its epilogue",
+                     "cublas": "MLP-in on cuBLAS, then the SwiGLU pass"}
+        if "mlp_in" in kernels:
+            other = "cublas" if kernels["mlp_in"] == "triton" else "triton"
+            out += [f"Above: {described[kernels['mlp_in']]}. With {described[other]} (`--mlp-in-gemm {other}`); same weights, "
+                    f"same run: {ms(s[f'step_ms_with_mlp_in_gemm_{other}'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+        if "step_ms_with_triton_gemms" in s:
+            out += [f"With all four block linears on the Triton FP8 GEMM (same run): {ms(s['step_ms_with_triton_gemms'])} ms per step.", ""]
         if "step_ms_with_triton_attention" in s:
             out += ["With the Triton FP8 attention kernel instead of the warp-specialised one "
                     "(`--attention-options '{\"kernel\": \"triton\"}'`; same weights, same run): "

@@ -188,10 +188,10 @@ def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool 
     """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
     (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention);
     `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only); `gemm_kernels`: the FP8
-    product's kernel per linear name (FP8_GEMM_KERNELS; cuBLAS for any not named)."""
+    product's kernel per linear name (FP8_GEMM_KERNELS), over `default_gemm_kernels` (cuBLAS for a linear named in neither)."""
     on_gpu = [p.device for p in model.parameters() if p.is_cuda]
-    if gemm_kernels is None:
-        gemm_kernels = default_gemm_kernels(on_gpu[0] if on_gpu else None, model.blocks[0].mlp_in.out_features)
+    defaults = default_gemm_kernels(on_gpu[0] if on_gpu else None, model.blocks[0].mlp_in.out_features)
+    gemm_kernels = {**defaults, **(gemm_kernels or {})}
     if unknown := set(gemm_kernels) - set(BLOCK_LINEARS):
         raise ValueError(f"gemm_kernels names {sorted(unknown)}; the block linears are {', '.join(BLOCK_LINEARS)}")
     from engine.kernels.fused_block import FusedPass, block_forward

@@ -4,7 +4,8 @@ The plain block (engine/model.py) runs ~35 small kernels per pass; this runs 3 o
 own beside the GEMMs and attention:
 
     ln_modulate_quant   LayerNorm -> (1 + scale), + shift -> per-token FP8, shared by q/k/v and MLP-in
-    swiglu_quant        silu(gate) * up -> per-token FP8 for MLP-out
+    swiglu_quant        silu(gate) * up -> per-token FP8 for MLP-out (where MLP-in runs on the Triton
+                        GEMM, its epilogue forms silu(gate) * up: FP8Linear.swiglu_quantized)
     gated_sum           gate_attn * a + gate_mlp * m (+ x when there is no all-reduce between)
 
 and where no all-reduce sits between blocks, `gated_sum_ln_quant` makes a block's residual
