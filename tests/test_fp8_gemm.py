@@ -44,10 +44,11 @@ def interleaved(w8: torch.Tensor, sw: torch.Tensor, block: int):
     return interleave_gate_up(w8.view(torch.uint8), block).view(E4M3).contiguous(), interleave_gate_up(sw, block)
 
 
+@pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("M", [100, 5])  # rows past the last full tile, and fewer rows than one tile
-def test_plain_form_matches_reference(M):
+def test_plain_form_matches_reference(M, persistent):
     x8, sx, w8, sw = operands(M, 96, 128)
-    y = FP8GEMM(w8, sw, **TILES)(x8, sx)
+    y = FP8GEMM(w8, sw, persistent=persistent, **TILES)(x8, sx)
     assert y.shape == (M, 128) and y.dtype == torch.bfloat16
     assert rel(y, fp8_gemm_reference(x8, sx, w8, sw)) <= 1e-3
 
@@ -75,6 +76,8 @@ def test_bad_shapes_are_named():
         FP8GEMM(w8, sw[:10], block_n=32)
     with pytest.raises(ValueError, match="x8 must be"):
         FP8GEMM(w8, sw, block_n=32, block_k=32)(x8[:, :32].contiguous(), sx)
+    with pytest.raises(ValueError, match="out must be"):
+        FP8GEMM(w8, sw, block_n=32, block_k=32)(x8, sx, out=torch.empty(8, 95, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="gate_up|block_n"):
         interleave_gate_up(torch.zeros(100, 4), 64)
 
@@ -99,11 +102,16 @@ def test_fp8_linear_with_interleaved_rows_keeps_its_outputs():
     assert torch.equal(m_a.float(), m_b.float()) and torch.equal(s_a, s_b)
 
 
-def test_default_kernels_take_triton_only_where_the_swiglu_form_tiles():
+def test_default_kernels_take_triton_only_where_the_swiglu_form_tiles(monkeypatch):
     assert default_gemm_kernels(torch.device("cpu"), 2048) == {}
     assert default_gemm_kernels(None, 2048) == {}
     if DEVICE.type == "cuda":
         assert default_gemm_kernels(DEVICE, 2 * 96) == {}  # gate/up halves of 96 columns: no 128-wide tiles
+    monkeypatch.setenv("TALKLOOP_FP8_GEMM", "cublas")  # the way back to cuBLAS everywhere
+    assert default_gemm_kernels(DEVICE, 2048) == {}
+    monkeypatch.setenv("TALKLOOP_FP8_GEMM", "triton-please")
+    with pytest.raises(ValueError, match="TALKLOOP_FP8_GEMM must be auto or cublas"):
+        default_gemm_kernels(DEVICE, 2048)
 
 
 @pytest.mark.gpu

@@ -66,7 +66,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 class FP8GEMM:
-    """Launcher for one weight: y = fp8_gemm(x8, sx) with w8 (N or 2N, K) e4m3 and sw (N or 2N,) float32.
+    """Launcher for one weight: y = (x8, sx) -> product, with w8 (N, K) e4m3 and sw (N,) float32; with `swiglu`,
+    w8 (2N, K) holds gate and up rows interleaved in blocks of block_n (`interleave_gate_up`) and sw follows them.
     `fast_accum`: the tensor cores' FP8 accumulation throughout (Triton's default on Hopper); otherwise
     promoted to float32 once per k-block, as cuBLAS does without fast accumulation.
     The weight's TMA descriptor is made once; x's and y's at each call (a descriptor holds its tensor, so
@@ -79,7 +80,7 @@ class FP8GEMM:
             raise ValueError(f"w8 must be a contiguous 2-d float8_e4m3fn tensor, got {w8.dtype} {tuple(w8.shape)}")
         rows, self.K = w8.shape
         if swiglu and rows % 2:
-            raise ValueError(f"the SwiGLU form takes [gate; up] weights: an even number of rows, got {rows}")
+            raise ValueError(f"the SwiGLU form takes gate and up rows: an even number of rows, got {rows}")
         self.N = rows // 2 if swiglu else rows
         if self.N % block_n or self.K % 16:  # whole column tiles (the up rows start at row N); 16-byte TMA rows
             raise ValueError(f"output columns ({self.N}) must be a multiple of block_n ({block_n}) and K ({self.K}) of 16")
@@ -101,7 +102,10 @@ class FP8GEMM:
         M, K = x8.shape
         if K != self.K or x8.dtype != torch.float8_e4m3fn or x8.stride(1) != 1:
             raise ValueError(f"x8 must be float8_e4m3fn (M, {self.K}) with contiguous rows, got {x8.dtype} {tuple(x8.shape)}")
-        out = torch.empty(M, self.N, device=x8.device, dtype=torch.bfloat16) if out is None else out
+        if out is None:
+            out = torch.empty(M, self.N, device=x8.device, dtype=torch.bfloat16)
+        elif out.shape != (M, self.N) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous bf16 ({M}, {self.N}), got {out.dtype} {tuple(out.shape)}")
         if self._w_desc is None:
             self._w_desc = TensorDescriptor.from_tensor(self.w8, [self.block_n * (2 if self.swiglu else 1), self.block_k])
         x_desc = TensorDescriptor.from_tensor(x8, [self.block_m, self.block_k])

@@ -173,12 +173,18 @@ def triton_fp8_gemm_runs(device_index: int) -> bool:
                           "cuBLAS serves every FP8 linear")
 
 
+FP8_GEMM_ENV = "TALKLOOP_FP8_GEMM"  # "auto" (the default) or "cublas": every FP8 linear on cuBLAS, in every process
+
+
 def default_gemm_kernels(device: torch.device | None, mlp_in_features: int) -> dict[str, str]:
     """Per block linear, the FP8 product's kernel: the Triton SwiGLU form for MLP-in on Hopper where its gate and
     up halves tile (it measured faster than cuBLAS plus the SwiGLU pass, docs/benchmarks.md), cuBLAS for the
-    rest and elsewhere."""
+    rest and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
+    choice = os.environ.get(FP8_GEMM_ENV, "auto")
+    if choice not in ("auto", "cublas"):
+        raise ValueError(f"{FP8_GEMM_ENV} must be auto or cublas, got {choice!r}")
     tiles = mlp_in_features % (2 * SWIGLU_BLOCK) == 0
-    if tiles and device is not None and device.type == "cuda" and triton_fp8_gemm_runs(device.index or 0):
+    if choice == "auto" and tiles and device is not None and device.type == "cuda" and triton_fp8_gemm_runs(device.index or 0):
         return {"mlp_in": "triton"}
     return {}
 
