@@ -407,6 +407,8 @@ def main() -> None:
                 + ("the warp-specialised FP8 attention kernel (Gluon, Hopper)" if s.get("attention_kernel") == "ws" else "Triton FP8 attention")
                 + ", FP8 GEMMs (per-token x per-channel scales) with fused "
                 "block kernels" + (" and fast accumulation" if step.get("fast_accum") else "")
+                + (", MLP-in on the Triton FP8 GEMM with SwiGLU in its epilogue and the other linears on cuBLAS"
+                   if (s.get("gemm_kernels") or {"mlp_in": s.get("mlp_in_gemm")}).get("mlp_in") == "triton" else "")
                 + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
                 + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
                 "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
@@ -434,8 +436,8 @@ def main() -> None:
                      "cublas": "MLP-in on cuBLAS, then the SwiGLU pass"}
         if "mlp_in" in kernels:
             other = "cublas" if kernels["mlp_in"] == "triton" else "triton"
-            out += [f"Above: {described[kernels['mlp_in']]}. With {described[other]} (`--mlp-in-gemm {other}`); same weights, "
-                    f"same run: {ms(s[f'step_ms_with_mlp_in_gemm_{other}'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+            out += [f"With {described[other]} (`--mlp-in-gemm {other}`; above: {described[kernels['mlp_in']]}; same weights, "
+                    f"same run): {ms(s[f'step_ms_with_mlp_in_gemm_{other}'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
         if "step_ms_with_triton_gemms" in s:
             out += [f"With all four block linears on the Triton FP8 GEMM (same run): {ms(s['step_ms_with_triton_gemms'])} ms per step.", ""]
         if "step_ms_with_triton_attention" in s:
