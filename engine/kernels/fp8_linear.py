@@ -121,7 +121,6 @@ class FP8Linear(nn.Module):
             y = y.unflatten(-1, (-1, 2, self.gate_up_block)).transpose(-3, -2).flatten(-3)
         return y
 
-
     def swiglu_quantized(self, x8: torch.Tensor, sx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For a [gate | up] linear (out_features 2H): silu(gate) * up of the product, (M, H), as per-row FP8 and
         scales (M, 1). The Triton kernel forms it in the product's epilogue, so the (M, 2H) product is never
