@@ -400,6 +400,8 @@ def main() -> None:
     out += fast_path_targets(step, load("attention_57b_tp3_h200.json"))
     if step:
         s, b = step["serving"], step["baseline"]
+        # MLP-in's FP8 GEMM kernel (runs before the step recorded every linear's kernel name it "mlp_in_gemm")
+        mlp_in_kernel = (s.get("gemm_kernels") or {}).get("mlp_in", s.get("mlp_in_gemm"))
         out += ["## One rank's step of the 57b shape at tensor-parallel degree 3", "",
                 f"Run {step.get('date', '?')}. Hardware: {gpu}. Communication left out (one rank's compute only); random weights; "
                 f"median of {step['steps_timed']} steady-state steps after warm-up. Serving path: ring FP8 KV cache with "
@@ -408,7 +410,7 @@ def main() -> None:
                 + ", FP8 GEMMs (per-token x per-channel scales) with fused "
                 "block kernels" + (" and fast accumulation" if step.get("fast_accum") else "")
                 + (", MLP-in on the Triton FP8 GEMM with SwiGLU in its epilogue and the other linears on cuBLAS"
-                   if (s.get("gemm_kernels") or {"mlp_in": s.get("mlp_in_gemm")}).get("mlp_in") == "triton" else "")
+                   if mlp_in_kernel == "triton" else "")
                 + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
                 + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
                 "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
@@ -431,12 +433,11 @@ def main() -> None:
             if key in s:
                 out += [f"With {what} (`--{setting}`; same weights, same run): "
                         f"{ms(s[key])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
-        kernels = s.get("gemm_kernels") or ({"mlp_in": s["mlp_in_gemm"]} if "mlp_in_gemm" in s else {})
         described = {"triton": "MLP-in on the Triton FP8 GEMM with SwiGLU in its epilogue",
                      "cublas": "MLP-in on cuBLAS, then the SwiGLU pass"}
-        if "mlp_in" in kernels:
-            other = "cublas" if kernels["mlp_in"] == "triton" else "triton"
-            out += [f"With {described[other]} (`--mlp-in-gemm {other}`; above: {described[kernels['mlp_in']]}; same weights, "
+        if mlp_in_kernel is not None:
+            other = "cublas" if mlp_in_kernel == "triton" else "triton"
+            out += [f"With {described[other]} (`--mlp-in-gemm {other}`; above: {described[mlp_in_kernel]}; same weights, "
                     f"same run): {ms(s[f'step_ms_with_mlp_in_gemm_{other}'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
         if "step_ms_with_triton_gemms" in s:
             out += [f"With all four block linears on the Triton FP8 GEMM (same run): {ms(s['step_ms_with_triton_gemms'])} ms per step.", ""]

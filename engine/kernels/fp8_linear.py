@@ -163,6 +163,12 @@ def prefer_static_gemm_schedule() -> bool:
 SWIGLU_BLOCK = 128  # MLP-in's gate/up interleave: the Triton SwiGLU form's output tile width
 
 
+def swiglu_block(out_features: int) -> int:
+    """The gate/up interleave a [gate | up] linear of `out_features` rows takes: SWIGLU_BLOCK where both halves
+    tile in it, else 0 (stored as built; the SwiGLU form cannot read it)."""
+    return SWIGLU_BLOCK if out_features % (2 * SWIGLU_BLOCK) == 0 else 0
+
+
 @functools.cache
 def triton_fp8_gemm_runs(device_index: int) -> bool:
     """A Hopper GPU (sm_90) and a Triton with host-side TMA descriptors; probed once per device."""
@@ -182,8 +188,9 @@ def default_gemm_kernels(device: torch.device | None, mlp_in_features: int) -> d
     choice = os.environ.get(FP8_GEMM_ENV, "auto")
     if choice not in ("auto", "cublas"):
         raise ValueError(f"{FP8_GEMM_ENV} must be auto or cublas, got {choice!r}")
-    tiles = mlp_in_features % (2 * SWIGLU_BLOCK) == 0
-    if choice == "auto" and tiles and device is not None and device.type == "cuda" and triton_fp8_gemm_runs(device.index or 0):
+    if choice != "auto" or not swiglu_block(mlp_in_features) or device is None or device.type != "cuda":
+        return {}
+    if triton_fp8_gemm_runs(device.index or 0):  # probed (and logged) only where it would be used
         return {"mlp_in": "triton"}
     return {}
 
@@ -210,9 +217,8 @@ def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool 
             linear = getattr(block, name)
             if not isinstance(linear, FP8Linear):
                 # MLP-in's gate and up rows interleaved where they tile (the Triton kernel's SwiGLU form reads them so)
-                block_rows = SWIGLU_BLOCK if name == "mlp_in" and linear.out_features % (2 * SWIGLU_BLOCK) == 0 else 0
                 setattr(block, name, FP8Linear(linear, fast_accum=fast_accum, gemm_kernel=gemm_kernels.get(name, "cublas"),
-                                               gate_up_block=block_rows))
+                                               gate_up_block=swiglu_block(linear.out_features) if name == "mlp_in" else 0))
         block.fused_forward = block_forward if fuse else None
         block.branch_streams = fuse and branch_streams
     return model
