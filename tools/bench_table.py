@@ -400,8 +400,7 @@ def main() -> None:
     out += fast_path_targets(step, load("attention_57b_tp3_h200.json"))
     if step:
         s, b = step["serving"], step["baseline"]
-        # MLP-in's FP8 GEMM kernel (runs before the step recorded every linear's kernel name it "mlp_in_gemm")
-        mlp_in_kernel = (s.get("gemm_kernels") or {}).get("mlp_in", s.get("mlp_in_gemm"))
+        mlp_in_kernel = (s.get("gemm_kernels") or {}).get("mlp_in")  # MLP-in's FP8 GEMM kernel
         out += ["## One rank's step of the 57b shape at tensor-parallel degree 3", "",
                 f"Run {step.get('date', '?')}. Hardware: {gpu}. Communication left out (one rank's compute only); random weights; "
                 f"median of {step['steps_timed']} steady-state steps after warm-up. Serving path: ring FP8 KV cache with "
