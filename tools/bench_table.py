@@ -103,7 +103,7 @@ def two_gpus() -> list[str]:
                 "(`python -m pytest -q tests/test_gemm_allreduce.py -k \"two_gpus or one_rank\"`, output "
                 f"`docs/results/pytest_gemm_allreduce_x2.txt`): `{kernel_tests.read_text().strip().splitlines()[-1]}`.", ""]
     if tests.is_file():
-        out += ["Correctness (`python -m pytest -q tests/test_gemm_allreduce.py tests/test_distributed.py -k two_gpus`, "
+        out += ["Correctness (`python -m pytest -q tests/test_gemm_allreduce.py tests/test_distributed.py -k \"two_gpus or one_rank\"`, "
                 "output `docs/results/pytest_gpu_x2.txt`): tensor-parallel degree 2 gives the frames of one GPU (plain NCCL "
                 "and the fused GEMM + all-reduce; mean difference <= 1 level of 255), and the fused kernel's sums equal "
                 "NCCL's within 1% of the largest output, also replayed from a CUDA graph: "
