@@ -510,10 +510,15 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     scale = fp8.per_head_scale(torch.ones(H, D, device=device))
     q, k, v = rms(H, M, D), rms(H, S, D), rms(H, S, D)
     q8, k8, vt8 = fp8.quantize(q, scale), fp8.quantize(k, scale), fp8.quantize(v, scale).transpose(1, 2).contiguous()
-    valid = torch.zeros(S, dtype=torch.int8, device=device)
-    valid[: spec.cache_slots] = 1
-    n = spec.cache_slots  # SDPA reads exactly the live slots
-    qb, kb, vb = q.bfloat16()[None], k[:, :n].bfloat16()[None], v[:, :n].bfloat16()[None]
+    # Live as in the ring: the reference's K/V, then the window's frames; the sink's padding slots
+    # (sink_slots - reference tokens) and the slots past cache_slots stay masked.
+    live = torch.zeros(S, dtype=torch.bool, device=device)
+    live[: spec.reference_tokens] = True
+    live[spec.sink_slots : spec.cache_slots] = True
+    valid = live.to(torch.int8)
+    n_live = int(live.sum())
+    live_idx = live.nonzero().squeeze(1)  # SDPA reads exactly the live slots
+    qb, kb, vb = q.bfloat16()[None], k[:, live_idx].bfloat16()[None], v[:, live_idx].bfloat16()[None]
     sdpa = event_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb), device, repeats)
     ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
     out = torch.empty(M, H * D, device=device, dtype=torch.bfloat16)
@@ -554,8 +559,9 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
             continue
         configs.append({**opts, "us": 1000 * ms, "rel_err": err})
     best = fastest_correct(configs)
-    flops = 4 * H * M * spec.cache_slots * D
-    return {"bench": "attention", "date": time.strftime("%Y-%m-%d"), "spec": spec_name, "tp_shard": tp, "shape": {"heads": H, "queries": M, "slots": S, "head_dim": D},
+    flops = 4 * H * M * n_live * D
+    return {"bench": "attention", "date": time.strftime("%Y-%m-%d"), "spec": spec_name, "tp_shard": tp,
+            "shape": {"heads": H, "queries": M, "slots": S, "live_slots": n_live, "head_dim": D},
             "device": _device_name(device), "torch": torch.__version__, "sdpa_bf16_us": 1000 * sdpa, "fp8_best": best,
             "speedup": 1000 * sdpa / best["us"], "fp8_tflops": flops / best["us"] / 1e6, "sdpa_tflops": flops / sdpa / 1e9,
             "configs": configs}

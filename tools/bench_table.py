@@ -508,7 +508,7 @@ def main() -> None:
         best = att["fp8_best"]
         shape = att["shape"]
         out += ["## One attention call at the production shape", "",
-                f"{shape['heads']} heads x {shape['queries']} queries x {shape['slots']} slots (5,788 live, padding masked), "
+                f"{shape['heads']} heads x {shape['queries']} queries x {shape['slots']} slots ({shape['live_slots']:,} live, padding masked), "
                 f"head dim {shape['head_dim']}. Hardware: {gpu}.", "",
                 "Command: `python -m engine.bench attention --tp-shard 3 --json` (result: `docs/results/attention_57b_tp3_h200.json`)", "",
                 "| kernel | us per call | TFLOP/s | against SDPA |", "|---|---|---|---|",
