@@ -279,10 +279,11 @@ def ncu_summary(name: str) -> str | None:
     found = {key: metric(pattern) for key, pattern in (
         ("clock", r"SM Frequency\s+Ghz\s+([\d.]+)"), ("us", r"Duration\s+us\s+([\d.]+)"),
         ("busy", r"Issue Slots Busy\s+%\s+([\d.]+)"), ("idle", r"No Eligible\s+%\s+([\d.]+)"),
-        ("pipe", r"(\w+) is the highest-utilized pipeline"), ("pipe_pct", r"is the highest-utilized pipeline \(([\d.]+)%\)"),
         ("barrier", r"This stall type represents about ([\d.]+)% of the total"))}
-    if None in found.values():
+    busiest = re.search(r"(\w+) is the highest-utilized pipeline \(([\d.]+)%\)", text)
+    if None in found.values() or busiest is None:
         return None
+    found["pipe"], found["pipe_pct"] = busiest.groups()
     pipe = "shared (FP64 and tensor)" if found["pipe"] == "Shared" else found["pipe"].lower()
     return (f"Nsight Compute on one call of the warp-specialised kernel (64x128, 3 stages; `bash tools/gpu_suite.sh attention-ncu`, "
             f"output `docs/results/{name}`; profiled at the tool's locked {found['clock']} GHz, so {found['us']} us): the busiest "
