@@ -181,18 +181,25 @@ class CausalVideoDiT(nn.Module):
         head = self.head_mod(t).unflatten(-1, (2, self.spec.dim)).movedim(-2, 0)
         return block, head
 
+    def time_weights(self) -> list[torch.Tensor]:
+        """The parameters time_modulation reads."""
+        return [*self.time_mlp.parameters(), *self.time_proj.parameters(), *self.head_mod.parameters()]
+
     # Passes ------------------------------------------------------------------
-    def run_blocks(self, x: torch.Tensor, noise_level: torch.Tensor, attend: Attend) -> torch.Tensor:
-        mod, head_mod = self.time_modulation(noise_level)
+    def run_blocks(self, x: torch.Tensor, noise_level: torch.Tensor, attend: Attend,
+                   modulation: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`modulation`: time_modulation(noise_level), when the caller made it already."""
+        mod, head_mod = modulation if modulation is not None else self.time_modulation(noise_level)
         for i, block in enumerate(self.blocks):
             x = block(x, mod, partial(attend, i))
         shift, scale = head_mod.unbind(0)
         return self.head(modulate(self.head_norm(x), shift, scale))
 
-    def forward(self, latent: torch.Tensor, noise_level: torch.Tensor, audio: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(self, latent: torch.Tensor, noise_level: torch.Tensor, audio: torch.Tensor, attend: Attend,
+                modulation: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One pass: noisy latent (C, h, w) at noise_level () -> velocity (C, h, w)."""
         x = self.frame_tokens(latent, audio)
-        out = self.run_blocks(x, noise_level, attend)
+        out = self.run_blocks(x, noise_level, attend, modulation)
         return self.unpatchify(out[..., : self.spec.video_tokens, :])
 
     def encode_reference(self, reference_latent: torch.Tensor, attend: Attend) -> None:

@@ -27,6 +27,42 @@ def test_deterministic_under_seed(model):
     assert (a - c).abs().max() > 1e-2
 
 
+def test_time_modulation_is_made_once_per_session_and_refreshed_when_its_weights_change(model, monkeypatch):
+    """The per-pass time modulation depends on the noise schedule and the time weights only: a session makes it
+    once (plus the reference's), its frames equal those of passes that make it afresh, and a time weight
+    changed in place between steps reaches the next step."""
+    from tests.helpers import tiny_model
+
+    def stepper(m, **kwargs):
+        session = EngineSession(m, seed=5, **kwargs)
+        session.start(reference_latent(m.spec))
+        g = torch.Generator().manual_seed(7)
+
+        def step():
+            session.push_audio_features(torch.randn(m.spec.frames_per_latent, m.spec.n_mels, generator=g))
+            return session.step()
+        return session, step
+
+    fresh_model = tiny_model()  # the same weights as the fixture's
+    calls = []
+    made = model.time_modulation
+    monkeypatch.setattr(model, "time_modulation", lambda level: calls.append(1) or made(level))
+    session, step = stepper(model)
+    fresh, fresh_step = stepper(fresh_model)
+    fresh._modulations = lambda: [None] * fresh_model.spec.passes  # every pass makes its own
+    for _ in range(3):
+        assert torch.equal(step(), fresh_step())
+    assert len(calls) == 1 + model.spec.passes  # the reference's, then one per pass of the schedule
+    kept = model.time_proj[1].bias.detach().clone()
+    with torch.no_grad():
+        for m in (model, fresh_model):
+            m.time_proj[1].bias.add_(0.5)
+    assert torch.equal(step(), fresh_step())
+    assert len(calls) == 1 + 2 * model.spec.passes
+    with torch.no_grad():
+        model.time_proj[1].bias.copy_(kept)  # the fixture is shared
+
+
 def test_noise_levels_run_from_one_to_zero():
     levels = noise_levels(4)
     assert levels[0] == 1.0 and levels[-1] == 0.0 and len(levels) == 5
