@@ -345,7 +345,7 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
         used.update(k["name"] for k in ks)
         rows.append((label, sum(k["ms"] for k in ks), sum(k["calls"] for k in ks)))
     rest = [k for k in prof["kernels"] if k["name"] not in used]
-    rows.append(("everything else (patchify, time embedding, head, ...)", sum(k["ms"] for k in rest), sum(k["calls"] for k in rest)))
+    rows.append(("everything else (patchify, audio embedding, head, ...)", sum(k["ms"] for k in rest), sum(k["calls"] for k in rest)))
     out = ["Where one serving step's GPU time goes, kernel by kernel (the step run eagerly under `torch.profiler`, so that "
            "each kernel shows by name; kernel durations only). Command: `python tools/step_profile.py` "
            "(result: `docs/results/step_profile_57b_tp3_h200.json`).", "",
