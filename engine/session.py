@@ -85,7 +85,7 @@ class EngineSession:
         else:
             self.cache = ReferenceKVCache(self.spec, dtype=self.dtype, device=self.device)
         self.levels = torch.tensor(noise_levels(self.spec.passes, shift), dtype=torch.float32, device=self.device)
-        # Per pass, the time modulation: a function of the noise schedule and the time weights only (_modulations)
+        # Per pass, the time modulation: a function of the noise schedule and the time weights only (_refresh_modulations)
         self._time_mods: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._time_key: tuple | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -165,7 +165,7 @@ class EngineSession:
             raise ValueError("session not started: call start(reference_latent) first")
         s = self.spec
         audio = self._audio_window()
-        self._modulations()  # made or refreshed here, outside any graph capture
+        self._refresh_modulations()  # here, outside any graph capture; the passes read self._time_mods
         self.cache.begin_step(self.steps_done)
         noise = torch.randn((s.latent_channels, *s.latent_grid), generator=self.generator, device=self.device).to(self.dtype)
         if self.cuda_graph:
@@ -177,29 +177,27 @@ class EngineSession:
         self._drop_consumed_features()
         return x
 
-    def _modulations(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per pass, model.time_modulation(levels[i]): made once, not at every pass of every step. The
-        schedule is fixed for the session and the time weights rarely change; on the 57b shape its
-        matrix-vector products read about 0.9 GB a pass. Where a time weight changed in place since,
-        the same tensors are refilled, so a captured graph reads the new values too."""
-        weights = self.model.time_weights()
-        key = tuple((w.data_ptr(), 0 if w.is_inference() else w._version) for w in weights)
-        if key != self._time_key:
-            fresh = [self.model.time_modulation(self.levels[i]) for i in range(self.spec.passes)]
-            if self._time_mods and all(a.shape == b.shape for old, new in zip(self._time_mods, fresh) for a, b in zip(old, new)):
-                for old, new in zip(self._time_mods, fresh):
-                    for a, b in zip(old, new):
-                        a.copy_(b)
-            else:
-                self._time_mods = fresh
-            self._time_key = key
-        return self._time_mods
+    def _refresh_modulations(self) -> None:
+        """Per pass, model.time_modulation(levels[i]) into self._time_mods: made once, not at every pass of
+        every step. The schedule is fixed for the session and the time weights rarely change; on the 57b
+        shape its matrix-vector products read about 0.9 GB a pass. Where a time weight changed in place
+        since, the same tensors are refilled, so a captured graph reads the new values too."""
+        key = tuple((w.data_ptr(), 0 if w.is_inference() else w._version) for w in self.model.time_weights())
+        if key == self._time_key:
+            return
+        fresh = [self.model.time_modulation(self.levels[i]) for i in range(self.spec.passes)]
+        if self._time_mods:
+            for kept, made in zip(self._time_mods, fresh):
+                for a, b in zip(kept, made):
+                    a.copy_(b)
+        else:
+            self._time_mods = fresh
+        self._time_key = key
 
     def _denoise(self, x: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
         """All passes of one step (the part a CUDA graph captures)."""
-        mods = self._modulations()
         for i in range(self.spec.passes):
-            v = self.model(x, self.levels[i], audio, self.cache.attend, mods[i])
+            v = self.model(x, self.levels[i], audio, self.cache.attend, self._time_mods[i])
             x = x + (self.levels[i + 1] - self.levels[i]).to(self.dtype) * v
         return x
 

@@ -49,7 +49,7 @@ def test_time_modulation_is_made_once_per_session_and_refreshed_when_its_weights
     monkeypatch.setattr(model, "time_modulation", lambda level: calls.append(1) or made(level))
     session, step = stepper(model)
     fresh, fresh_step = stepper(fresh_model)
-    fresh._modulations = lambda: [None] * fresh_model.spec.passes  # every pass makes its own
+    fresh._refresh_modulations = lambda: setattr(fresh, "_time_mods", [None] * fresh_model.spec.passes)  # every pass makes its own
     for _ in range(3):
         assert torch.equal(step(), fresh_step())
     assert len(calls) == 1 + model.spec.passes  # the reference's, then one per pass of the schedule
