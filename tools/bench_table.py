@@ -369,7 +369,7 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
     return out
 
 
-def fast_path_targets(step: dict | None, att: dict | None) -> list[str]:
+def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = None) -> list[str]:
     """The GPU fast path's targets (one H200, the 57b shape at tensor-parallel degree 3) against the runs below."""
     if not step or not att:
         return []
@@ -384,7 +384,42 @@ def fast_path_targets(step: dict | None, att: dict | None) -> list[str]:
     return ["## GPU fast path: targets", "",
             "One H200, one rank's share of the 57b step at tensor-parallel degree 3, from the two runs below.", "",
             "| target | bound | measured | met |", "|---|---|---|---|",
-            *[f"| {name} | {bound} | {value} | {'yes' if ok else 'no'} |" for name, bound, value, ok in rows], ""]
+            *[f"| {name} | {bound} | {value} | {'yes' if ok else 'no'} |" for name, bound, value, ok in rows], "",
+            *([f"For scale on the attention target: cuDNN's own FP8 attention reaches "
+               f"{cudnn['cudnn_fp8_prefix']['speedup_vs_sdpa_bf16']:.2f}x at this shape on this GPU, where ours reaches "
+               f"{cudnn['ws_fp8']['speedup_vs_sdpa_bf16']:.2f}x in the same run (FP8 attention section below).", ""]
+              if cudnn and "cudnn_fp8_prefix" in cudnn else [])]
+
+
+def cudnn_attention(r: dict | None) -> list[str]:
+    """cuDNN's FP8 SDPA beside SDPA bf16 and the warp-specialised kernel, from tools/cudnn_attention_probe.py."""
+    if not r:
+        return []
+    shape = r["shape"]
+    v = r["cudnn"]
+    cudnn_version = f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
+
+    def reason(message: str) -> str:  # cuDNN's own words: the backend's reason where it gives one
+        message = message.split(": ", 1)[-1]
+        if "backend declined: " in message:
+            message = message.split("backend declined: ", 1)[1].split("; python engines", 1)[0]
+        return message.rstrip(".")
+
+    rows = [("SDPA, bf16", "sdpa_bf16"), ("warp-specialised FP8 (ours)", "ws_fp8"),
+            ("cuDNN FP8 SDPA, K and V cut to the live slots", "cudnn_fp8_prefix"),
+            ("cuDNN FP8 SDPA, all slots with a sequence-length mask", "cudnn_fp8_padding_mask")]
+    out = [f"NVIDIA's own FP8 attention on this GPU: cuDNN {cudnn_version}'s FP8 SDPA (nvidia-cudnn-frontend "
+           f"{r['cudnn_frontend']}, torch {r['torch']}) on the same e4m3 q, K, V ({shape['heads']} heads, {shape['queries']} "
+           f"queries, {shape['live']} live of {shape['slots']} slots; one scale for all heads, as cuDNN takes one per tensor), "
+           f"medians of {len(r['sdpa_bf16']['us_runs'])} runs taken in turns (command: `pip install nvidia-cudnn-frontend && "
+           f"python tools/cudnn_attention_probe.py`, result `docs/results/cudnn_fp8_attention_h200.json`):", "",
+           "| kernel | us per call | against SDPA | relative L2 error |", "|---|---|---|---|"]
+    out += [f"| {label} | {r[key]['us']:.1f} | {r[key]['speedup_vs_sdpa_bf16']:.2f}x | {r[key]['rel_err']:.4f} |"
+            for label, key in rows if key in r]
+    out += [""]
+    if r.get("refused"):
+        out += ["Refused by cuDNN on this GPU: " + "; ".join(f"`{k}` ({reason(m)})" for k, m in r["refused"].items()) + ".", ""]
+    return out
 
 
 def main() -> None:
@@ -398,7 +433,7 @@ def main() -> None:
                       "the code of the step benchmark below, run beside it", "python -m pytest -q tests/test_kernels.py "
                       "tests/test_attention_ws.py tests/test_session.py tests/test_cache.py")
     step = load("step_57b_tp3_h200.json")
-    out += fast_path_targets(step, load("attention_57b_tp3_h200.json"))
+    out += fast_path_targets(step, load("attention_57b_tp3_h200.json"), load("cudnn_fp8_attention_h200.json"))
     if step:
         s, b = step["serving"], step["baseline"]
         mlp_in_kernel = (s.get("gemm_kernels") or {}).get("mlp_in")  # MLP-in's FP8 GEMM kernel
@@ -537,6 +572,7 @@ def main() -> None:
             out += [f"FlashAttention-3's FP8 path (torch {fa3['torch']}'s `_scaled_dot_product_attention_quantized`, per-head "
                     f"descales): {state}" + (f", {fa3['fa3_fp8_us']:.1f} us per call" if "fa3_fp8_us" in fa3 else "")
                     + " (command: `python tools/fa3_probe.py`, result `docs/results/fa3_probe_h200.json`).", ""]
+        out += cudnn_attention(load("cudnn_fp8_attention_h200.json"))
         options = [("splits", lambda c: c.get("splits", 1) > 1, "the KV axis split in 2"),
                    ("exp2", lambda c: c.get("exp2") == "fma", "2^x on the FMA units (`exp2=fma`)"),
                    ("mixed", lambda c: c.get("exp2") == "mixed", "2^x half on each unit (`exp2=mixed`)"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
+#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
 # soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
 # two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1; compare-x2:
 # the tensor-parallel and fused all-reduce paths against the rerun band).
@@ -23,6 +23,9 @@ for part in $parts; do
   fi
   if [[ $part == attention || $part == all ]]; then
     run python3 -m engine.bench attention --tp-shard 3 --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
+  fi
+  if [[ $part == attention-cudnn ]]; then  # cuDNN's FP8 SDPA beside ours; needs `pip install nvidia-cudnn-frontend`
+    run python3 tools/cudnn_attention_probe.py > "$OUT/cudnn_fp8_attention.json" && head -c 600 "$OUT/cudnn_fp8_attention.json"
   fi
   if [[ $part == step || $part == all ]]; then  # with the GPU's clock and power sampled throughout, and a per-kernel profile
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
