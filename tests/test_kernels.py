@@ -230,6 +230,35 @@ def test_warp_specialized_attention_session_tracks_the_pytorch_fp8_session():
     assert rel <= 2e-2
 
 
+@pytest.mark.gpu
+def test_sink_store_and_reset_rotation_reach_rows_past_two_billion_elements():
+    """The sink store and the reset rotation address every layer's rows of the cache at once, past 2^31
+    elements at tensor-parallel degree 1 (60 layers x 60 heads x 5,824 slots x 128). The last row of a
+    (3, 2^23 + 64, 128) cache starts past 2^31: both kernels must give it what they give the same row alone."""
+    from engine.kernels.rope_write import delta_rotate, rope_store
+
+    if torch.cuda.mem_get_info()[0] < 5 * 2**30:
+        pytest.skip("needs 5 GB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    R, S, D, N, P = 3, 2**23 + 64, 128, 32, 4
+    assert (R - 1) * S * D > 2**31
+    big = torch.zeros(R, S, D, device="cuda", dtype=fp8.FP8)
+    small = torch.zeros(R, 2 * N, D, device="cuda", dtype=fp8.FP8)
+    src = torch.randn(R, N, D, generator=g, device="cuda")
+    scale = src.abs().amax((1, 2)) / 400.0
+    cos, sin = torch.randn(2, 1, N, D // 2, generator=g, device="cuda").unbind(0)
+    pos_idx = torch.zeros(1, device="cuda", dtype=torch.int32)
+    for dst in (big, small):  # the sink rows, then the last N slots rotated by the reset's temporal angles
+        rope_store(src, cos, sin, pos_idx, dst, scale)
+        dst[:, -N:] = dst[:, :N]
+        delta_rotate(dst, torch.full((P,), 0.6, device="cuda"), torch.full((P,), 0.8, device="cuda"), scale, dst.shape[1] - N)
+    torch.cuda.synchronize()
+    assert torch.equal(big[:, :N].view(torch.uint8), small[:, :N].view(torch.uint8))
+    assert torch.equal(big[:, -N:].view(torch.uint8), small[:, -N:].view(torch.uint8))
+    assert not torch.equal(big[2, -N:].view(torch.uint8), big[2, :N].view(torch.uint8))  # the rotation moved them
+    assert not big[:, N:-N].view(torch.uint8).any()  # and nothing between was written
+
+
 def test_attention_options_name_their_kernel():
     with pytest.raises(ValueError, match="need the kernel they are for"):
         run_session(_model(), 1, cache="ring", kv_dtype="fp8", backend="triton", attention_options=dict(splits=2))

@@ -126,6 +126,7 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
 @triton.jit
 def _rope_store_kernel(src, cos, sin, pos_idx, dst, scale, N, S, D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr):
     pid_t, r = tl.program_id(0), tl.program_id(1)  # r: a (layer, head) row of the cache
+    r = r.to(tl.int64)  # every layer's rows: past 2^31 elements at tensor-parallel degree 1 (60 x 60 x 5824 x 128)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tok < N
     table = tl.load(pos_idx) * N * (D // 2)
@@ -149,6 +150,7 @@ def rope_store(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos_idx:
 def _delta_rotate_kernel(cache, cos, sin, scale, first, S, D: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
                          BLOCK_T: tl.constexpr, EXACT: tl.constexpr):
     pid_t, r = tl.program_id(0), tl.program_id(1)
+    r = r.to(tl.int64)  # as in _rope_store_kernel: offsets into every layer's rows overflow int32
     tok = first + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, 2 * PAIRS_P2)  # the temporal pairs lead each row
     m = (tok < S)[:, None] & (d < 2 * PAIRS)[None, :]
