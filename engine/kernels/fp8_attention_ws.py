@@ -30,6 +30,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from engine.kernels import WS_HEAD_DIMS
+
 
 @gluon.jit
 def _producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
@@ -234,8 +236,8 @@ class WarpSpecializedFP8Attention:
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device=None,
                  block_m: int = 64, block_n: int = 128, stages: int = 3, maxnreg: int | None = None,
                  pingpong: bool = False, renamed_p: bool = True):
-        if head_dim not in (32, 64, 128):  # the P·V product's N; TMA rows of at least 32 bytes
-            raise ValueError(f"head_dim must be 32, 64 or 128 for the warp-specialised kernel, got {head_dim}")
+        if head_dim not in WS_HEAD_DIMS:  # the P·V product's N; TMA rows of at least 32 bytes
+            raise ValueError(f"head_dim must be one of {WS_HEAD_DIMS} for the warp-specialised kernel, got {head_dim}")
         if block_m not in (64, 128):
             raise ValueError(f"block_m must be 64 or 128 (one or two consumer warpgroups), got {block_m}")
         if block_n not in (32, 64, 128):  # TMA tiles are powers of two; 256 leaves too few registers
