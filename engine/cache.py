@@ -1,6 +1,6 @@
 """KV caches: the ring (the serving path) and the plain reference (the oracle).
 
-Both give the model the same `attend(layer, q, k, v, head_norm=None)` and
+Both give the model the same `attend(layer, q, k, v, head_norm=None, fp8_out=False)` and
 `reference_attend(...)`, take un-rotated per-head q, k, v (H, N, D) of the newest frame
 (raw projections with their norm gains when `head_norm` is given), and agree on what
 a frame sees: the reference sink, the previous `window_frames - 1` frames and the
@@ -148,7 +148,7 @@ class RingKVCache:
 
     def _init_triton(self, q_gains: list[torch.Tensor] | None, attention_options: dict) -> None:
         from engine.kernels import attention_kernel, make_attention
-        from engine.kernels.fp8_attention import qk_scale
+        from engine.kernels.fp8_attention import out_scale, qk_scale
 
         s, H, D = self.spec, self.n_heads, self.spec.head_dim
         if self.kv_dtype != "fp8" or q_gains is None:
@@ -172,6 +172,14 @@ class RingKVCache:
         self.qk_scale = qk_scale(self.q_scale, self.k_scale, D)  # (L, H)
         self.q8 = torch.empty(H, s.frame_tokens, D, dtype=fp8.FP8, device=self.device)
         self.out = torch.empty(s.frame_tokens, H * D, dtype=torch.bfloat16, device=self.device)
+        # The e4m3 output (`attend(..., fp8_out=True)`): one scale per layer that never saturates, the same
+        # on every row (the out-projection's row scales), and V's scales in the output's units.
+        S = self.k.shape[2]
+        o_scale = out_scale(self.v_scale, S)  # (L,)
+        self.out8 = torch.empty(s.frame_tokens, H * D, dtype=fp8.FP8, device=self.device)
+        rows = -(-s.frame_tokens // 16) * 16  # each layer's scales 64-byte aligned, as cuBLASLt wants them
+        self.out8_rows_scale = o_scale.view(-1, 1, 1).expand(-1, rows, 1).contiguous()[:, : s.frame_tokens]  # (L, F, 1)
+        self.v_scale_out8 = (self.v_scale / o_scale[:, None]).contiguous()  # (L, H)
         options = dict(attention_options)
         kernel = options.pop("kernel", "auto")
         if kernel == "auto" and options:  # tile options differ between the kernels
@@ -208,7 +216,7 @@ class RingKVCache:
 
     # Session lifecycle ---------------------------------------------------------
     def reference_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         head_norm: HeadNorm | None = None) -> torch.Tensor:
+                         head_norm: HeadNorm | None = None, fp8_out: bool = False) -> torch.Tensor:
         """Reference tokens attend among themselves; their K (un-rotated) and V become the sink."""
         q, k, v = apply_head_norm(q, k, v, head_norm)
         n = self.spec.reference_tokens
@@ -298,9 +306,11 @@ class RingKVCache:
         return self.rope.frame(float(self.position))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               head_norm: HeadNorm | None = None) -> torch.Tensor:
+               head_norm: HeadNorm | None = None, fp8_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """(H, N, D); with `fp8_out` the triton backend returns (e4m3 (N, H*D), its row scales (N, 1)) instead,
+        as the out-projection's FP8 GEMM reads them (the other backend gives (H, N, D) regardless)."""
         if self.backend == "triton":
-            return self._attend_triton(layer, q, k, v, head_norm)
+            return self._attend_triton(layer, q, k, v, head_norm, fp8_out)
         q, k, v = apply_head_norm(q, k, v, head_norm)
         self.write(layer, k, v)
         cos, sin = self._frame_cos_sin()
@@ -311,12 +321,17 @@ class RingKVCache:
         return attention(apply_rope(q, cos, sin), k_all, v_all.contiguous(), None if live is not None else self.valid.bool())
 
     def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       head_norm: HeadNorm | None = None) -> torch.Tensor:
+                       head_norm: HeadNorm | None = None,
+                       fp8_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         from engine.kernels.rope_write import write_frame
 
         write_frame(q, k, v, self._frame_cos, self._frame_sin, self.pos_idx, self.slot, self.q8,
                     self.k[layer], self.vt[layer], self.valid, self.q_scale[layer], self.k_scale[layer], self.v_scale[layer],
                     head_norm=head_norm, pv_order=self.v_positions is not None)
+        if fp8_out:
+            self.attention(self.q8, self.k[layer], self.vt[layer], self.valid, self.qk_scale[layer],
+                           self.v_scale_out8[layer], self.out8)
+            return self.out8, self.out8_rows_scale[layer]
         self.attention(self.q8, self.k[layer], self.vt[layer], self.valid, self.qk_scale[layer], self.v_scale[layer], self.out)
         H, D = self.n_heads, self.spec.head_dim
         return self.out.view(-1, H, D).transpose(0, 1).to(q.dtype)  # (H, F, D) view of (F, H*D)
@@ -341,7 +356,7 @@ class ReferenceKVCache:
         return self.spec.sink_distance + step
 
     def reference_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         head_norm: HeadNorm | None = None) -> torch.Tensor:
+                         head_norm: HeadNorm | None = None, fp8_out: bool = False) -> torch.Tensor:
         q, k, v = apply_head_norm(q, k, v, head_norm)
         self.sink[layer] = (k, v)
         return reference_self_attention(self.rope, q, k, v)
@@ -366,7 +381,8 @@ class ReferenceKVCache:
         return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               head_norm: HeadNorm | None = None) -> torch.Tensor:
+               head_norm: HeadNorm | None = None, fp8_out: bool = False) -> torch.Tensor:
+        """(H, N, D), whatever `fp8_out` asks (the ring's triton backend alone answers it)."""
         q, k, v = apply_head_norm(q, k, v, head_norm)
         self.pending[layer] = (k, v)
         k_all, v_all = self.gather(layer, k, v)

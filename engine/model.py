@@ -8,11 +8,13 @@ all-reduce. Timestep conditioning is adaLN modulation (shift, scale and two gate
 from a shared time projection plus a per-block table.
 
 The model is single-device and batch-free (one session); attention is delegated to
-an `attend(layer, q, k, v, head_norm=None)` callable so the KV cache (ring or
+an `attend(layer, q, k, v, head_norm=None, fp8_out=False)` callable so the KV cache (ring or
 reference) owns positions, storage and the attention kernel. With `head_norm` (the q, k,
 v norm gains stacked (3, H, D) and eps), q, k, v are the block's raw projections and the
 attend applies the per-head RMS norms itself: the FP8 ring cache does it inside the
-kernel that rotates, quantises and stores them, saving a pass over q, k and v.
+kernel that rotates, quantises and stores them, saving a pass over q, k and v. With
+`fp8_out` (asked by the fused FP8 block) an attend may return the output as e4m3 rows with
+their scales, ready for the out-projection's FP8 GEMM; the FP8 ring's kernels write it so.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from torch import nn
 
 from engine.config import ModelSpec
 
-Attend = Callable[..., torch.Tensor]  # (layer, q, k, v, head_norm=None) -> (H, N, D)
+# (layer, q, k, v, head_norm=None, fp8_out=False) -> (H, N, D); with fp8_out an attend may return
+# (e4m3 (N, H*D), row scales (N, 1)) instead, for the fused block's FP8 out-projection
+Attend = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 HeadNorm = tuple[torch.Tensor, float]  # (q, k, v norm gains stacked (3, H, D), eps)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import fp8
 from engine.config import get_spec
 from engine.model import build_model
 from engine.session import EngineSession
@@ -36,3 +37,21 @@ def rms_heads(g: torch.Generator, *shape: int) -> torch.Tensor:
     """Gaussian vectors scaled to unit RMS along the last axis (head-normed q, k or v)."""
     x = torch.randn(*shape, generator=g)
     return x / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def assert_e4m3_output_is_bf16_output_rounded(out8: torch.Tensor, out16: torch.Tensor, o_scale: torch.Tensor) -> None:
+    """out8 * o_scale is out16 rounded to e4m3: within half an e4m3 step, plus one bf16 step for out16's own
+    rounding (the interpreter truncates to bf16)."""
+    x, o8 = out16.float() / o_scale, out8.float()
+    step = fp8.relative_step(torch.maximum(x.abs(), o8.abs()))
+    assert torch.isfinite(o8).all()
+    assert ((o8 - x).abs() <= 0.5 * step + 2.0**-7 * x.abs() + 1e-6).all()
+
+
+def v_scale_worst_case(g: torch.Generator, H: int, S: int, D: int, device) -> tuple[torch.Tensor, ...]:
+    """Scales per head (head 0's the largest) and a Vᵀ whose head 0 holds e4m3's largest value in every slot:
+    each of that head's outputs is then 448 * v_scale times the ratio of rounded to unrounded probabilities."""
+    scale = fp8.per_head_scale(torch.linspace(2.0, 0.5, H)[:, None].expand(H, D)).to(device)
+    vt8 = fp8.quantize(rms_heads(g, H, S, D).to(device), scale).transpose(1, 2).contiguous()
+    vt8[0] = torch.tensor(fp8.FP8_MAX).to(fp8.FP8)
+    return scale, vt8

@@ -39,12 +39,15 @@ def spill_store_bytes(ptx: str) -> int:
 
 
 # (block_m, block_n, stages, head_dim), and the spill stores measured when written: a guard against growth
-@pytest.mark.parametrize("block_m, block_n, stages, head_dim, pingpong, renamed_p, spills", [
-    (64, 128, 3, 128, False, True, 64), (128, 128, 2, 128, False, True, 88), (64, 64, 4, 128, False, True, 0),
-    (64, 128, 3, 64, False, True, 0), (128, 128, 2, 128, True, True, 88), (64, 128, 2, 128, False, False, 64)])
-def test_builds_for_hopper_with_async_tensor_cores_and_few_spills(block_m, block_n, stages, head_dim, pingpong, renamed_p, spills):
+# out_fp8: the output written in e4m3 (the serving block's choice) instead of bf16
+@pytest.mark.parametrize("block_m, block_n, stages, head_dim, pingpong, renamed_p, spills, out_fp8", [
+    (64, 128, 3, 128, False, True, 64, False), (128, 128, 2, 128, False, True, 88, False), (64, 64, 4, 128, False, True, 0, False),
+    (64, 128, 3, 64, False, True, 0, False), (128, 128, 2, 128, True, True, 88, False), (64, 128, 2, 128, False, False, 64, False),
+    (64, 128, 2, 128, False, True, 68, True)])
+def test_builds_for_hopper_with_async_tensor_cores_and_few_spills(block_m, block_n, stages, head_dim, pingpong, renamed_p,
+                                                                  spills, out_fp8):
     kernel = compile_for_hopper(head_dim, block_m=block_m, block_n=block_n, stages=stages, pingpong=pingpong,
-                                renamed_p=renamed_p)
+                                renamed_p=renamed_p, out_fp8=out_fp8)
     ptx = kernel.asm["ptx"]
     # renamed in place, P never moves between threads: only the row reductions' shuffles stay (per consumer warpgroup)
     assert (ptx.count("shfl.sync") / (block_m // 64) < 20) == renamed_p
@@ -148,3 +151,31 @@ def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S
     ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
     assert torch.isfinite(out).all()
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("block_m, S", [(64, 5824), (64, 320), (128, 1024)])
+def test_e4m3_output_is_the_bf16_output_rounded_at_a_scale_that_never_saturates(block_m, S):
+    """As fp8_attention.py's kernel: with an e4m3 `out` and V's scales divided by `out_scale`, the bf16 output
+    rounded to e4m3; V at e4m3's largest value (the scale's worst case) still below 448."""
+    from engine.kernels.fp8_attention import out_scale
+    from tests.helpers import assert_e4m3_output_is_bf16_output_rounded, v_scale_worst_case
+
+    g = torch.Generator().manual_seed(2)
+    H, M, D, dev = 3, 70, 128, torch.device("cuda")
+    scale, vt8 = v_scale_worst_case(g, H, S, D, dev)
+    q8, k8 = fp8.quantize(rms_heads(g, H, M, D).to(dev), scale), fp8.quantize(rms_heads(g, H, S, D).to(dev), scale)
+    valid = torch.ones(S, dtype=torch.int8, device=dev)
+    valid[40:130] = 0
+    attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=128, stages=2)
+    attention.mark_live_tiles(valid)
+    vt = attention.arrange_v(vt8)
+    out16 = torch.empty(M, H * D, dtype=torch.bfloat16, device=dev)
+    out8 = torch.empty(M, H * D, dtype=fp8.FP8, device=dev)
+    o_scale = out_scale(scale, S)
+    attention(q8, k8, vt, valid, qk_scale(scale, scale, D), scale, out16)
+    attention(q8, k8, vt, valid, qk_scale(scale, scale, D), scale / o_scale, out8)
+    assert_e4m3_output_is_bf16_output_rounded(out8, out16, o_scale)
+    top = out8[:, :D].float()
+    assert top.min() > 300 and top.max() < fp8.FP8_MAX

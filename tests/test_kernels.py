@@ -21,7 +21,7 @@ from engine import fp8  # noqa: E402
 from engine.cache import RingKVCache  # noqa: E402
 from engine.kernels.fp8_attention import FP8Attention, _exp2_fma, attention_reference, qk_scale  # noqa: E402
 from engine.kernels.fp8_linear import FP8Linear, quantize_rows, quantize_rows_reference  # noqa: E402
-from tests.helpers import TINY, rms_heads, run_session  # noqa: E402
+from tests.helpers import TINY, assert_e4m3_output_is_bf16_output_rounded, rms_heads, run_session, v_scale_worst_case  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # The GPU's tensor cores need head_dim >= 16 and real tile sizes; the interpreter runs anything.
@@ -159,6 +159,34 @@ def test_fp8_attention_follows_a_row_maximum_that_keeps_rising(lazy):
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 3e-2
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp8_attention_writes_e4m3_output_at_a_scale_that_never_saturates(splits):
+    """With an e4m3 `out` and V's scales divided by `out_scale`, the kernel writes what it writes in bf16,
+    rounded to e4m3. V at e4m3's largest value is the scale's worst case: those outputs must stay below
+    448 (a scale without the headroom for P's rounding saturates them at 448)."""
+    from engine.kernels.fp8_attention import out_scale
+
+    g = torch.Generator().manual_seed(4)
+    H, M, S, D = 3, 70, 300, SPEC.head_dim if DEVICE.type == "cpu" else 128
+    scale, vt8 = v_scale_worst_case(g, H, S, D, DEVICE)
+    q8 = fp8.quantize(rms_heads(g, H, M, D).to(DEVICE), scale)
+    k8 = fp8.quantize(rms_heads(g, H, S, D).to(DEVICE), scale)
+    valid = torch.ones(S, dtype=torch.int8, device=DEVICE)
+    valid[40:130] = 0
+    blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
+    attention = FP8Attention(H, M, S, D, DEVICE, splits=splits, **blocks)
+    out16 = torch.empty(M, H * D, dtype=torch.bfloat16, device=DEVICE)
+    out8 = torch.empty(M, H * D, dtype=fp8.FP8, device=DEVICE)
+    o_scale = out_scale(scale, S)
+    attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out16)
+    attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale / o_scale, out8)
+    assert_e4m3_output_is_bf16_output_rounded(out8, out16, o_scale)
+    top = out8[:, :D].float()
+    assert top.min() > 300 and top.max() < fp8.FP8_MAX
+    with pytest.raises(ValueError, match="out must be bf16 or float8_e4m3fn"):
+        attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out16.float())
+
+
 @triton.jit
 def _exp2_fma_kernel(x, y, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
@@ -216,6 +244,35 @@ def test_triton_session_tracks_the_pytorch_fp8_session():
     blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
     ring = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="torch")
     fast = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="triton", attention_options=dict(kernel="triton", splits=2, **blocks))
+    rel = ((fast.float() - ring.float()).norm() / ring.float().norm()).item()
+    assert rel <= 2e-2
+
+
+def test_fused_fp8_blocks_read_the_ring_kernels_e4m3_attention_output(monkeypatch):
+    """The serving block asks the ring for its attention output in e4m3 (no quantisation pass before the
+    out-projection); the torch backend answers in bf16 and the block quantises it. Both sessions agree."""
+    import copy
+
+    from engine.cache import RingKVCache
+    from engine.kernels.fp8_linear import quantize_linears_
+
+    from engine.model import build_model
+
+    model = quantize_linears_(build_model(SPEC, seed=1, device=DEVICE, dtype=torch.bfloat16), fuse=True)  # as served
+    blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
+    kw = dict(cache="ring", kv_dtype="fp8")
+    answers = []
+    attend_triton = RingKVCache._attend_triton
+
+    def spy(self, *args, **kwargs):
+        result = attend_triton(self, *args, **kwargs)
+        answers.append(isinstance(result, tuple) and result[0].dtype == fp8.FP8)
+        return result
+
+    monkeypatch.setattr(RingKVCache, "_attend_triton", spy)
+    ring = run_session(copy.deepcopy(model), 3, backend="torch", **kw)
+    fast = run_session(model, 3, backend="triton", attention_options=dict(kernel="triton", **blocks), **kw)
+    assert answers and all(answers)
     rel = ((fast.float() - ring.float()).norm() / ring.float().norm()).item()
     assert rel <= 2e-2
 
@@ -383,7 +440,7 @@ def test_a_fused_block_hands_the_next_block_its_input():
     from engine.cache import attention
     from engine.model import apply_head_norm
 
-    attend = lambda q, k, v, head_norm=None: attention(*apply_head_norm(q, k, v, head_norm))
+    attend = lambda q, k, v, head_norm=None, fp8_out=False: attention(*apply_head_norm(q, k, v, head_norm))
     with torch.no_grad():
         y0 = model.blocks[0](x, mod, attend)
         assert shared._handover is not None and shared._handover[0] is y0
@@ -427,7 +484,7 @@ def test_fused_block_tracks_the_plain_block():
     from engine.cache import attention
     from engine.model import apply_head_norm
 
-    attend = lambda q, k, v, head_norm=None: attention(*apply_head_norm(q, k, v, head_norm))
+    attend = lambda q, k, v, head_norm=None, fp8_out=False: attention(*apply_head_norm(q, k, v, head_norm))
     with torch.no_grad():
         want = plain.blocks[0](x, mod, attend).float()
         got = fused.blocks[0](x, mod, attend).float()
@@ -479,7 +536,7 @@ def test_branch_streams_give_the_same_block_output_eagerly_and_in_a_cuda_graph()
     g = torch.Generator().manual_seed(8)
     x = torch.randn(SPEC.frame_tokens, SPEC.dim, generator=g).to(DEVICE, next(model.parameters()).dtype)
     mod, _ = model.time_modulation(torch.tensor(0.5, device=DEVICE))
-    attend = lambda q, k, v, head_norm=None: attention(*apply_head_norm(q, k, v, head_norm))
+    attend = lambda q, k, v, head_norm=None, fp8_out=False: attention(*apply_head_norm(q, k, v, head_norm))
     run = lambda m: m.blocks[1](m.blocks[0](x, mod, attend), mod, attend)
     with torch.no_grad():
         want = run(inline)

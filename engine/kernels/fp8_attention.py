@@ -10,7 +10,9 @@ the softmax's 2^x competes with the products: `exp2` puts it on the special-func
 ("mufu"), on the FMA units ("fma", a polynomial), or half on each ("mixed"). With `tma` the
 K and V tiles come through tensor descriptors (Hopper's copy engine) instead of pointer loads.
 
-Output (M, H*D) in bf16, the layout the attention's out-projection reads.
+Output (M, H*D) in the layout the attention's out-projection reads: bf16, or e4m3 when the caller
+passes an e4m3 `out` (`out_scale` gives the scale that never saturates), which the out-projection's
+FP8 GEMM then reads without a quantisation pass of its own.
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ def _exp2_fma(x):
 def _attn_kernel(
     q, k, vt, valid, qk_scale, v_scale,  # (H, M, D), (H, S, D), (H, D, S), (S,), (H,), (H,)
     k_desc, vt_desc,  # with TMA: descriptors of k as (H*S, D) and vt as (H*D, S); else unused
-    out, s_om, s_oh,  # (M, H*D) bf16 when SPLITS == 1
+    out, s_om, s_oh,  # (M, H*D) bf16 or e4m3 when SPLITS == 1
     part_o, part_m, part_l,  # (SPLITS, H, M, D) f32, (SPLITS, H, M) f32 x2 when SPLITS > 1
     H, M, S, blocks_per_split,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, EXACT: tl.constexpr,
     PV_FP8: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EXP2_UNIT: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    EVEN_N: tl.constexpr, TMA: tl.constexpr,
+    EVEN_N: tl.constexpr, TMA: tl.constexpr, OUT_FP8: tl.constexpr,
 ):
     pid_m, h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -122,7 +124,7 @@ def _attn_kernel(
             acc = tl.dot(p.to(tl.float16), tl.trans(v_blk).to(tl.float16), acc)
     if SPLITS == 1:
         o = acc * tl.load(v_scale + h) / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out + rows[:, None] * s_om + h * s_oh + d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
+        _store_out(out + rows[:, None] * s_om + h * s_oh + d[None, :], o, row_ok[:, None], OUT_FP8, EXACT)
     else:
         base = (split * H + h) * M
         tl.store(part_o + (base + rows)[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
@@ -131,8 +133,17 @@ def _attn_kernel(
 
 
 @triton.jit
+def _store_out(ptrs, o, mask, OUT_FP8: tl.constexpr, EXACT: tl.constexpr):
+    if OUT_FP8:
+        tl.store(ptrs, to_fp8(o, EXACT), mask=mask)
+    else:
+        tl.store(ptrs, o.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
 def _merge_kernel(part_o, part_m, part_l, v_scale, out, s_om, s_oh, H, M,
-                  D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr):
+                  D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, OUT_FP8: tl.constexpr,
+                  EXACT: tl.constexpr):
     pid_m, h = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -149,7 +160,7 @@ def _merge_kernel(part_o, part_m, part_l, v_scale, out, s_om, s_oh, H, M,
         l += w * tl.load(part_l + base + rows, mask=row_ok, other=0.0)
         acc += w[:, None] * tl.load(part_o + (base + rows)[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
     o = acc * tl.load(v_scale + h) / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(out + rows[:, None] * s_om + h * s_oh + d[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
+    _store_out(out + rows[:, None] * s_om + h * s_oh + d[None, :], o, row_ok[:, None], OUT_FP8, EXACT)
 
 
 class FP8Attention:
@@ -186,11 +197,13 @@ class FP8Attention:
 
     def __call__(self, q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, valid: torch.Tensor,
                  qk_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16.
+        """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16 or e4m3.
 
-        qk_scale (H,) = q_scale * k_scale * log2(e) / sqrt(D); v_scale (H,).
+        qk_scale (H,) = q_scale * k_scale * log2(e) / sqrt(D); v_scale (H,): V's scales, divided by the
+        output's scale when `out` is e4m3 (`out_scale`).
         """
         H, M, D = q8.shape
+        out_fp8 = check_out(out, M, H * D)
         grid = (triton.cdiv(M, self.block_m), H, self.splits)
         dummy = out
         k_desc, vt_desc = self._descriptors(k8, vt8) if self.tma else (k8, vt8)
@@ -201,13 +214,13 @@ class FP8Attention:
             H, M, self.S, self.blocks_per_split,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, SPLITS=self.splits, EXACT=interpreting(),
             PV_FP8=self.pv_fp8, WARP_SPECIALIZE=self.warp_specialize, EXP2_UNIT=self.exp2,
-            LAZY_RESCALE=self.lazy_rescale, EVEN_N=self.even_n, TMA=self.tma, num_warps=self.num_warps,
-            num_stages=self.num_stages,
+            LAZY_RESCALE=self.lazy_rescale, EVEN_N=self.even_n, TMA=self.tma, OUT_FP8=out_fp8,
+            num_warps=self.num_warps, num_stages=self.num_stages,
         )
         if self.splits > 1:
             _merge_kernel[(triton.cdiv(M, 64), H)](
                 self.part_o, self.part_m, self.part_l, v_scale, out, out.stride(0), D, H, M,
-                D=D, BLOCK_M=64, SPLITS=self.splits, num_warps=4,
+                D=D, BLOCK_M=64, SPLITS=self.splits, OUT_FP8=out_fp8, EXACT=interpreting(), num_warps=4,
             )
         return out
 
@@ -224,6 +237,25 @@ class FP8Attention:
             self._tma_descriptors[key] = (TensorDescriptor.from_tensor(k8.view(H * S, D), [self.block_n, D]),
                                           TensorDescriptor.from_tensor(vt8.view(H * D, S), [D, self.block_n]))
         return self._tma_descriptors[key]
+
+
+def check_out(out: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether the attention's output `out` is e4m3 (else bf16); a clear error for anything else."""
+    if out.dtype not in (torch.bfloat16, torch.float8_e4m3fn) or out.shape != (rows, cols) or out.stride(1) != 1:
+        raise ValueError(f"out must be bf16 or float8_e4m3fn ({rows}, {cols}) with contiguous rows, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    return out.dtype == torch.float8_e4m3fn
+
+
+def out_scale(v_scale: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """(..., H) V's per-head scales -> (...) one scale for an e4m3 attention output that never saturates.
+
+    Each output row of a head is a convex combination of that head's V rows, |v| <= 448 * v_scale, but
+    its weights are P rounded to e4m3 over a sum of unrounded P: at most 2^-4 above each normal value,
+    2^-10 above each subnormal one, against a sum of at least 2^8 (the row's largest P). So |o| stays
+    within 448 * (1 + 2^-4 + n_slots * 2^-18) * v_scale. One scale for all heads keeps the
+    out-projection's activations row-scaled as its FP8 GEMM takes them (the same scale on every row)."""
+    return v_scale.amax(-1) * (1.0 + 2.0**-4 + n_slots * 2.0**-18)
 
 
 def qk_scale(q_scale: torch.Tensor, k_scale: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from engine.kernels import WS_HEAD_DIMS
+from engine.kernels.fp8_attention import check_out
 
 
 @gluon.jit
@@ -107,7 +108,7 @@ def pv_slot_order(n_slots: int, device=None) -> torch.Tensor:
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, valid, tile_live,
               qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr,
-              FIRST: gl.constexpr, num_warps: gl.constexpr):
+              FIRST: gl.constexpr, OUT_FP8: gl.constexpr, num_warps: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -159,13 +160,18 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     o = acc * (gl.load(v_scale + h) / gl.where(l_o == 0.0, 1.0, l_o))[:, None]
     rows = off_m + gl.arange(0, BLOCK_M, layout=o_rows)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out + rows[:, None] * s_om + h * D + d[None, :], o.to(gl.bfloat16), mask=(rows < M)[:, None])
+    if OUT_FP8:  # the scale of `out_scale` keeps |o| <= 448: the clamp only keeps the cast saturating
+        o8 = gl.minimum(gl.maximum(o, -448.0), 448.0).to(gl.float8e4nv)
+        gl.store(out + rows[:, None] * s_om + h * D + d[None, :], o8, mask=(rows < M)[:, None])
+    else:
+        gl.store(out + rows[:, None] * s_om + h * D + d[None, :], o.to(gl.bfloat16), mask=(rows < M)[:, None])
 
 
 @gluon.jit
 def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, M, S,
                     D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr, OUT_FP8: gl.constexpr,
+                    num_warps: gl.constexpr):
     pid_m, h = gl.program_id(0), gl.program_id(1)
     off_m = pid_m * BLOCK_M
     n_blocks = (S + BLOCK_N - 1) // BLOCK_N
@@ -197,7 +203,7 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a, turn_b, valid,
                          tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES,
-                         RENAMED_P, False, 1, num_warps)),
+                         RENAMED_P, False, 1, OUT_FP8, num_warps)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [1], [24])
@@ -205,10 +211,10 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a,
                          turn_b, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64,
-                         BLOCK_N, STAGES, RENAMED_P, PINGPONG, 1, num_warps)),
+                         BLOCK_N, STAGES, RENAMED_P, PINGPONG, 1, OUT_FP8, num_warps)),
             (_consumer, (q_smem.slice(64, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_b,
                          turn_a, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m + 64, M, S, n_blocks, D,
-                         64, BLOCK_N, STAGES, RENAMED_P, PINGPONG, 0, 4)),
+                         64, BLOCK_N, STAGES, RENAMED_P, PINGPONG, 0, OUT_FP8, 4)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -268,14 +274,16 @@ class WarpSpecializedFP8Attention:
         self.tile_live[:full].copy_((valid[: full * self.block_n].view(full, self.block_n) != 0).all(1))
 
     def __call__(self, q8, k8, vt8, valid, qk_scale, v_scale, out):
-        """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16; scales as FP8Attention.
+        """q8 (H, M, D), k8 (H, S, D), vt8 (H, D, S) e4m3 -> out (M, H*D) bf16 or e4m3; scales as FP8Attention.
         vt8[:, :, j] holds the V of slot pv_slot_order(S)[j] (of slot j with renamed_p False: see arrange_v)."""
         H, M, D = q8.shape
+        out_fp8 = check_out(out, M, H * D)
         q_desc, k_desc, vt_desc = self.descriptors(q8, k8, vt8)
         _attn_ws_kernel[(triton.cdiv(M, self.block_m), H)](
             q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
-            RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, num_warps=self.num_warps, maxnreg=self.maxnreg)
+            RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, OUT_FP8=out_fp8, num_warps=self.num_warps,
+            maxnreg=self.maxnreg)
         return out
 
     def descriptors(self, q8, k8, vt8) -> tuple:
@@ -293,7 +301,7 @@ class WarpSpecializedFP8Attention:
 
 
 def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 128, stages: int = 3,
-                       maxnreg: int | None = None, pingpong: bool = False, renamed_p: bool = True):
+                       maxnreg: int | None = None, pingpong: bool = False, renamed_p: bool = True, out_fp8: bool = False):
     """Build the kernel for sm_90a on any machine, GPU or not (Triton ships ptxas): the compiled
     kernel, its PTX under `.asm["ptx"]`. The launch signature depends on tile shapes only."""
     import torch
@@ -307,10 +315,12 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
     descs = att.descriptors(torch.zeros(1, block_m, head_dim, dtype=fp8), torch.zeros(1, block_n, head_dim, dtype=fp8),
                             torch.zeros(1, head_dim, block_n, dtype=fp8))
     signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]), "vt_desc": mangle_type(descs[2]),
-                 "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*bf16", "s_om": "i32", "M": "i32",
+                 "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*fp8e4nv" if out_fp8 else "*bf16", "s_om": "i32", "M": "i32",
                  "S": "i32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
-                 "CONSUMER_REGS": "constexpr", "RENAMED_P": "constexpr", "PINGPONG": "constexpr", "num_warps": "constexpr"}
+                 "CONSUMER_REGS": "constexpr", "RENAMED_P": "constexpr", "PINGPONG": "constexpr", "OUT_FP8": "constexpr",
+                 "num_warps": "constexpr"}
     constants = {"D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                 "CONSUMER_REGS": att.consumer_regs, "RENAMED_P": renamed_p, "PINGPONG": pingpong, "num_warps": att.num_warps}
+                 "CONSUMER_REGS": att.consumer_regs, "RENAMED_P": renamed_p, "PINGPONG": pingpong, "OUT_FP8": out_fp8,
+                 "num_warps": att.num_warps}
     return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg})

@@ -12,7 +12,9 @@ and where no all-reduce sits between blocks, `gated_sum_ln_quant` makes a block'
 and the next block's FP8 input in one pass, so the next block skips its `ln_modulate_quant`.
 
 The per-head RMS norms of q, k and v go to the attend with their gains (`head_norm`): the
-FP8 ring cache applies them in the kernel that rotates, quantises and stores q, k, v.
+FP8 ring cache applies them in the kernel that rotates, quantises and stores q, k, v. The block
+asks the attend for its output in e4m3 (`fp8_out`): the FP8 ring's attention kernel writes it
+so, at a scale that cannot saturate, and the out-projection reads it with no quantisation pass.
 
 Every kernel is held to the plain PyTorch computation in tests/test_kernels.py.
 """
@@ -256,8 +258,11 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
             mlp = mlp_branch()
     H, D = block.q_norm.weight.shape  # heads local to this rank
     qkv = block.qkv.forward_quantized(h8, sh).view(-1, 3, H, D).permute(1, 2, 0, 3)  # (3, H, N, D) view
-    a = attend(*qkv.unbind(0), head_norm=(stacked_gains(block), block.q_norm.eps))  # (H, N, D)
-    a = block.attn_out(a.transpose(0, 1).flatten(-2))
+    a = attend(*qkv.unbind(0), head_norm=(stacked_gains(block), block.q_norm.eps), fp8_out=True)
+    if isinstance(a, tuple):  # e4m3 (N, H*D) with its row scales: no quantisation pass before the GEMM
+        a = block.attn_out.forward_quantized(*a)
+    else:  # (H, N, D)
+        a = block.attn_out(a.transpose(0, 1).flatten(-2))
     if side is not None:
         here.wait_stream(side)  # tensors made on the side stream are used here only after this join
     else:
