@@ -157,6 +157,12 @@ def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
     return ms
 
 
+def rms_heads(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Gaussian vectors at unit RMS along the last axis, on g's device: head-normed q, k or v for attention benchmarks."""
+    x = torch.randn(*shape, generator=g, device=g.device)
+    return x / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
 def graph_call_ms(fn: Callable[[], None], device: torch.device, repeats: int, calls: int = 20) -> float:
     """Median per-call time of `calls` back-to-back calls captured in one CUDA graph: the GPU's time, without
     the host's launch cost (the serving step replays its kernels so). Eager on the CPU."""
@@ -515,7 +521,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     H, M, D = spec.n_heads, spec.frame_tokens, spec.head_dim
     S = -(-spec.cache_slots // 64) * 64  # as the ring stores them; the padding is masked
     g = torch.Generator(device=device).manual_seed(0)
-    rms = lambda *shape: (lambda x: x / x.pow(2).mean(-1, keepdim=True).sqrt())(torch.randn(*shape, generator=g, device=device))
+    rms = lambda *shape: rms_heads(g, *shape)
     scale = fp8.per_head_scale(torch.ones(H, D, device=device))
     q, k, v = rms(H, M, D), rms(H, S, D), rms(H, S, D)
     q8, k8, vt8 = fp8.quantize(q, scale), fp8.quantize(k, scale), fp8.quantize(v, scale).transpose(1, 2).contiguous()

@@ -1,5 +1,6 @@
 """The FP8 attention kernel at the production shape under given options: time per call, and what the
-compiler made of it (tensor-core and shared-memory instructions in the PTX, registers, spills).
+compiler made of it (tensor-core and shared-memory instructions in the PTX, registers, spills). Each call is
+timed as a CUDA graph of 20 calls, as `engine.bench attention` times them.
 
     python tools/attn_probe.py '[{"block_n": 64, "tma": true}, {"block_m": 128, "block_n": 128, "num_warps": 8}]'   # on a GPU
     python tools/attn_probe.py '[{"kernel": "ws", "block_n": 128, "stages": 3}]'   # the warp-specialised kernel
@@ -12,7 +13,7 @@ import sys
 import torch
 
 from engine import fp8
-from engine.bench import event_ms
+from engine.bench import graph_call_ms, rms_heads
 from engine.kernels import make_attention
 from engine.kernels.fp8_attention import _attn_kernel, attention_reference, qk_scale
 
@@ -20,7 +21,7 @@ dev = torch.device("cuda")
 H, M, S, D = 20, 757, 5824, 128
 live = 5788
 g = torch.Generator(device=dev).manual_seed(0)
-rms = lambda *shape: (lambda x: x / x.pow(2).mean(-1, keepdim=True).sqrt())(torch.randn(*shape, generator=g, device=dev))
+rms = lambda *shape: rms_heads(g, *shape)
 sc = fp8.per_head_scale(torch.ones(H, D, device=dev))
 q8, k8 = fp8.quantize(rms(H, M, D), sc), fp8.quantize(rms(H, S, D), sc)
 vt8 = fp8.quantize(rms(H, S, D), sc).transpose(1, 2).contiguous()
@@ -38,7 +39,7 @@ def compiled() -> list:
 
 qb, kb, vb = (x.float().bfloat16()[None] for x in (q8, k8[:, :live], vt8.transpose(1, 2)[:, :live]))
 sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
-print(json.dumps({"kernel": "sdpa_bf16", "us": 1000 * event_ms(sdpa, dev, 20)}), flush=True)
+print(json.dumps({"kernel": "sdpa_bf16", "us": 1000 * graph_call_ms(sdpa, dev, 10)}), flush=True)
 
 for opts in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
     row = dict(opts)
@@ -50,7 +51,7 @@ for opts in json.loads(sys.argv[1]) if len(sys.argv) > 1 else [{}]:
         before = compiled()
         vt = att.arrange_v(vt8)
         fn = lambda: att(q8, k8, vt, valid, qks, sc, out)
-        row["us"] = 1000 * event_ms(fn, dev, 20)
+        row["us"] = 1000 * graph_call_ms(fn, dev, 10)
         row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
         new = [k for k in compiled() if k not in before]
         if new:

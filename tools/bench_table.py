@@ -436,7 +436,8 @@ def main() -> None:
                       "the code of the step benchmark below, run beside it", "python -m pytest -q tests/test_kernels.py "
                       "tests/test_attention_ws.py tests/test_session.py tests/test_cache.py")
     step = load("step_57b_tp3_h200.json")
-    out += fast_path_targets(step, load("attention_57b_tp3_h200.json"), load("cudnn_fp8_attention_h200.json"))
+    cudnn = load("cudnn_fp8_attention_h200.json")
+    out += fast_path_targets(step, load("attention_57b_tp3_h200.json"), cudnn)
     if step:
         s, b = step["serving"], step["baseline"]
         mlp_in_kernel = (s.get("gemm_kernels") or {}).get("mlp_in")  # MLP-in's FP8 GEMM kernel
@@ -584,7 +585,7 @@ def main() -> None:
             out += [f"FlashAttention-3's FP8 path (torch {fa3['torch']}'s `_scaled_dot_product_attention_quantized`, per-head "
                     f"descales): {state}" + (f", {fa3['fa3_fp8_us']:.1f} us per call" if "fa3_fp8_us" in fa3 else "")
                     + " (command: `python tools/fa3_probe.py`, result `docs/results/fa3_probe_h200.json`).", ""]
-        out += cudnn_attention(load("cudnn_fp8_attention_h200.json"))
+        out += cudnn_attention(cudnn)
         options = [("splits", lambda c: c.get("splits", 1) > 1, "the KV axis split in 2"),
                    ("exp2", lambda c: c.get("exp2") == "fma", "2^x on the FMA units (`exp2=fma`)"),
                    ("mixed", lambda c: c.get("exp2") == "mixed", "2^x half on each unit (`exp2=mixed`)"),

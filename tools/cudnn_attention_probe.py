@@ -17,7 +17,7 @@ from importlib.metadata import version
 import torch
 
 from engine import fp8
-from engine.bench import event_ms, graph_call_ms
+from engine.bench import event_ms, graph_call_ms, rms_heads
 from engine.kernels.fp8_attention import attention_reference, qk_scale
 from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
 
@@ -33,7 +33,7 @@ def main() -> dict:
     result = {"torch": torch.__version__, "cudnn": cudnn.backend_version(), "cudnn_frontend": version("nvidia-cudnn-frontend"),
               "device": torch.cuda.get_device_name(), "shape": {"heads": H, "queries": M, "slots": S, "live": LIVE, "head_dim": D}}
     g = torch.Generator(device=dev).manual_seed(0)
-    rms = lambda *shape: (lambda x: x / x.pow(2).mean(-1, keepdim=True).sqrt())(torch.randn(*shape, generator=g, device=dev))
+    rms = lambda *shape: rms_heads(g, *shape)
     sc = fp8.per_head_scale(torch.ones(H, D, device=dev))  # equal for every head
     q8, k8, v8 = fp8.quantize(rms(H, M, D), sc), fp8.quantize(rms(H, S, D), sc), fp8.quantize(rms(H, S, D), sc)
     vt8 = v8.transpose(1, 2).contiguous()
