@@ -248,6 +248,29 @@ def test_triton_session_tracks_the_pytorch_fp8_session():
     assert rel <= 2e-2
 
 
+def test_ring_answers_fp8_out_in_e4m3_unless_told_not_to():
+    """attend(fp8_out=True) on the triton backend: e4m3 rows and their (per-layer) scale; with e4m3_out off (the step
+    benchmark's comparison) the (H, N, D) bf16 output, of which the e4m3 rows are the rounding."""
+    from engine.kernels.fp8_attention import out_scale
+
+    g = torch.Generator().manual_seed(5)
+    H, D, F = SPEC.n_heads, SPEC.head_dim, SPEC.frame_tokens
+    gains = [(torch.rand(H, D, generator=g) + 0.5).to(DEVICE) for _ in range(SPEC.n_blocks)]
+    _, fast = make_caches(gains)
+    for layer in range(SPEC.n_blocks):
+        sink = rms_heads(g, H, SPEC.reference_tokens, D).to(DEVICE)
+        fast.reference_attend(layer, sink, sink, sink)
+    fast.begin_step(0)
+    frame = [rms_heads(g, H, F, D).to(DEVICE) for _ in range(3)]
+    o8, rows_scale = fast.attend(1, *frame, fp8_out=True)
+    assert o8.dtype == fp8.FP8 and o8.shape == (F, H * D) and rows_scale.shape == (F, 1)
+    assert torch.equal(rows_scale, out_scale(fast.v_scale[1], fast.k.shape[2]).expand(F, 1))
+    fast.e4m3_out = False
+    o16 = fast.attend(1, *frame, fp8_out=True)
+    assert o16.shape == (H, F, D)
+    assert_e4m3_output_is_bf16_output_rounded(o8, o16.transpose(0, 1).reshape(F, H * D), rows_scale[0])
+
+
 def test_fused_fp8_blocks_read_the_ring_kernels_e4m3_attention_output(monkeypatch):
     """The serving block asks the ring for its attention output in e4m3 (no quantisation pass before the
     out-projection); the torch backend answers in bf16 and the block quantises it. Both sessions agree."""

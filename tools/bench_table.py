@@ -484,6 +484,10 @@ def main() -> None:
             out += ["With the Triton FP8 attention kernel instead of the warp-specialised one "
                     "(`--attention-options '{\"kernel\": \"triton\"}'`; same weights, same run): "
                     f"{ms(s['step_ms_with_triton_attention'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+        if "step_ms_with_attention_out_bf16" in s:
+            out += ["With the attention's output in bf16 and quantised per row before the out-projection (its setting "
+                    "before; above: written in e4m3 by the attention kernel; same weights, same run): "
+                    f"{ms(s['step_ms_with_attention_out_bf16'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
         if "cache_upkeep_ms_write_blocks_of_64" in s:
             out += ["With the frame write in blocks of 64 rows and 4 warps (its setting before; now 16 rows, 8 warps; "
                     f"same run): cache upkeep {s['cache_upkeep_ms_write_blocks_of_64']:.2f} ms per step, against "
