@@ -55,3 +55,21 @@ def v_scale_worst_case(g: torch.Generator, H: int, S: int, D: int, device) -> tu
     vt8 = fp8.quantize(rms_heads(g, H, S, D).to(device), scale).transpose(1, 2).contiguous()
     vt8[0] = torch.tensor(fp8.FP8_MAX).to(fp8.FP8)
     return scale, vt8
+
+
+def assert_e4m3_output_never_saturates(attention, q8, k8, vt8, valid, scale: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """Runs `attention` into a bf16 and an e4m3 `out` (V's scales divided by `out_scale`): the e4m3 output is the bf16
+    one rounded, and head 0 (V at e4m3's largest value, `v_scale_worst_case`) stays below 448, unsaturated.
+    Returns the bf16 output."""
+    from engine.kernels.fp8_attention import out_scale, qk_scale
+
+    H, M, D = q8.shape
+    out16 = torch.empty(M, H * D, dtype=torch.bfloat16, device=q8.device)
+    out8 = torch.empty(M, H * D, dtype=fp8.FP8, device=q8.device)
+    o_scale = out_scale(scale, n_slots)
+    attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out16)
+    attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale / o_scale, out8)
+    assert_e4m3_output_is_bf16_output_rounded(out8, out16, o_scale)
+    top = out8[:, :D].float()
+    assert top.min() > 300 and top.max() < fp8.FP8_MAX
+    return out16

@@ -21,7 +21,8 @@ from engine import fp8  # noqa: E402
 from engine.cache import RingKVCache  # noqa: E402
 from engine.kernels.fp8_attention import FP8Attention, _exp2_fma, attention_reference, qk_scale  # noqa: E402
 from engine.kernels.fp8_linear import FP8Linear, quantize_rows, quantize_rows_reference  # noqa: E402
-from tests.helpers import TINY, assert_e4m3_output_is_bf16_output_rounded, rms_heads, run_session, v_scale_worst_case  # noqa: E402
+from tests.helpers import (TINY, assert_e4m3_output_is_bf16_output_rounded, assert_e4m3_output_never_saturates,  # noqa: E402
+                           rms_heads, run_session, v_scale_worst_case)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # The GPU's tensor cores need head_dim >= 16 and real tile sizes; the interpreter runs anything.
@@ -164,8 +165,6 @@ def test_fp8_attention_writes_e4m3_output_at_a_scale_that_never_saturates(splits
     """With an e4m3 `out` and V's scales divided by `out_scale`, the kernel writes what it writes in bf16,
     rounded to e4m3. V at e4m3's largest value is the scale's worst case: those outputs must stay below
     448 (a scale without the headroom for P's rounding saturates them at 448)."""
-    from engine.kernels.fp8_attention import out_scale
-
     g = torch.Generator().manual_seed(4)
     H, M, S, D = 3, 70, 300, SPEC.head_dim if DEVICE.type == "cpu" else 128
     scale, vt8 = v_scale_worst_case(g, H, S, D, DEVICE)
@@ -175,14 +174,7 @@ def test_fp8_attention_writes_e4m3_output_at_a_scale_that_never_saturates(splits
     valid[40:130] = 0
     blocks = dict(block_m=16, block_n=16) if DEVICE.type == "cpu" else {}
     attention = FP8Attention(H, M, S, D, DEVICE, splits=splits, **blocks)
-    out16 = torch.empty(M, H * D, dtype=torch.bfloat16, device=DEVICE)
-    out8 = torch.empty(M, H * D, dtype=fp8.FP8, device=DEVICE)
-    o_scale = out_scale(scale, S)
-    attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out16)
-    attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale / o_scale, out8)
-    assert_e4m3_output_is_bf16_output_rounded(out8, out16, o_scale)
-    top = out8[:, :D].float()
-    assert top.min() > 300 and top.max() < fp8.FP8_MAX
+    out16 = assert_e4m3_output_never_saturates(attention, q8, k8, vt8, valid, scale, S)
     with pytest.raises(ValueError, match="out must be bf16 or float8_e4m3fn"):
         attention(q8, k8, vt8, valid, qk_scale(scale, scale, D), scale, out16.float())
 
