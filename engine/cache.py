@@ -52,9 +52,11 @@ def check_next_step(current: int, step: int) -> None:
 
 
 def reference_self_attention(rope: "TokenRope", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The reference's tokens attend among themselves (all at one temporal position)."""
+    """The reference's tokens attend among themselves (all at one temporal position). The rotation keeps
+    q's dtype: on a float32 model served with FP8 linears, q, k and v come out of the projections in bf16
+    while the rotation's tables are float32."""
     cos, sin = rope.reference(0.0)
-    return attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    return attention(apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(q.dtype), v)
 
 
 class TokenRope:
@@ -319,7 +321,7 @@ class RingKVCache:
         # stores V transposed for the Triton kernels): slice the live prefix, copy V into rows.
         live = self.live_prefix()
         k_all, v_all = self.read(layer, q.dtype, live)
-        return attention(apply_rope(q, cos, sin), k_all, v_all.contiguous(), None if live is not None else self.valid.bool())
+        return attention(apply_rope(q, cos, sin).to(q.dtype), k_all, v_all.contiguous(), None if live is not None else self.valid.bool())
 
     def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        head_norm: HeadNorm | None = None,
@@ -379,7 +381,7 @@ class ReferenceKVCache:
             values.append(fv)
         keys.append(apply_rope(k, *self.rope.frame(float(now))))
         values.append(v)
-        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+        return torch.cat(keys, dim=1).to(k.dtype), torch.cat(values, dim=1)  # rotated in the tables' dtype
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                head_norm: HeadNorm | None = None, fp8_out: bool = False) -> torch.Tensor:
@@ -387,7 +389,7 @@ class ReferenceKVCache:
         q, k, v = apply_head_norm(q, k, v, head_norm)
         self.pending[layer] = (k, v)
         k_all, v_all = self.gather(layer, k, v)
-        q = apply_rope(q, *self.rope.frame(float(self.position(self.step))))
+        q = apply_rope(q, *self.rope.frame(float(self.position(self.step)))).to(q.dtype)
         return attention(q, k_all, v_all)
 
     def end_step(self) -> None:

@@ -292,6 +292,28 @@ def test_fused_fp8_blocks_read_the_ring_kernels_e4m3_attention_output(monkeypatc
     assert rel <= 2e-2
 
 
+@pytest.mark.parametrize("cache", ["reference", "ring-torch", "ring-triton"])
+def test_a_float32_model_served_with_fused_fp8_linears_runs_on_every_cache(cache):
+    """FP8 linears give bf16 q, k, v while a float32 model's rotation tables are float32: every cache keeps the
+    rotated q and k in the projection's dtype (attention takes one dtype) and the session agrees with the same
+    weights served in bf16."""
+    import copy
+
+    from engine.kernels.fp8_linear import quantize_linears_
+    from engine.model import build_model
+
+    kw = {"reference": dict(cache="reference"), "ring-torch": dict(cache="ring", kv_dtype="fp8", backend="torch"),
+          "ring-triton": dict(cache="ring", kv_dtype="fp8", backend="triton",
+                              attention_options=dict(kernel="triton", block_m=16, block_n=16) if DEVICE.type == "cpu" else None)}[cache]
+    float32 = quantize_linears_(build_model(SPEC, seed=1, device=DEVICE, dtype=torch.float32), fuse=True)
+    bf16 = quantize_linears_(build_model(SPEC, seed=1, device=DEVICE, dtype=torch.bfloat16), fuse=True)
+    out = run_session(copy.deepcopy(float32), 2, **kw)
+    served = run_session(bf16, 2, **kw)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    rel = ((out.float() - served.float()).norm() / served.float().norm()).item()
+    assert rel <= 2e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU")
 def test_warp_specialized_attention_session_tracks_the_pytorch_fp8_session():
