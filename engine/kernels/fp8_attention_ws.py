@@ -62,6 +62,36 @@ def _add(a, b):
 
 
 @gluon.jit
+def _halve_top(x):
+    """(M, W) -> (M, W/2): the max of columns c and c + W/2, which one thread holds (the top column bit is
+    a register bit of the wgmma accumulator's layout while W > 4)."""
+    M: gl.constexpr = x.shape[0]
+    W: gl.constexpr = x.shape[1]
+    a, b = gl.split(gl.permute(gl.reshape(x, [M, 2, W // 2]), [0, 2, 1]))
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _row_max(s, rows: gl.constexpr):
+    """Row maxima of a score tile as a tree over each thread's columns, then across the row's 4 lanes. A plain
+    reduction chains the thread's 32 columns of a row one after another (31 dependent FMNMX, and the second
+    row's after the first's); the tree's depth is 5 and its operations independent. Exact either way."""
+    M: gl.constexpr = s.shape[0]
+    N: gl.constexpr = s.shape[1]
+    a, b = gl.split(gl.reshape(s, [M, N // 2, 2]))  # column bit 0: the pair a thread holds side by side
+    x = gl.maximum(a, b)
+    if N // 2 > 32:
+        x = _halve_top(x)
+    if N // 2 > 16:
+        x = _halve_top(x)
+    if N // 2 > 8:
+        x = _halve_top(x)
+    if N // 2 > 4:
+        x = _halve_top(x)
+    return gl.convert_layout(gl.reduce(x, 1, _max), rows, assert_trivial=True)
+
+
+@gluon.jit
 def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online softmax of score block `tile`, in log2 units, against (max - 8). Tiles known to be fully
     live skip the per-slot mask (the validity bytes cost as much as the exponentials)."""
@@ -69,7 +99,7 @@ def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.con
         cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         live = gl.load(valid + cols, mask=cols < S, other=0) != 0  # empty ring slots, padding, tiles past S
         s = gl.where(live[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.reduce(s, 1, _max) * scale)
+    m_new = gl.maximum(m_i, _row_max(s, gl.SliceLayout(1, s_layout)) * scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no live slot yet
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(s * scale - (m_safe - 8.0)[:, None])  # <= 256: inside e4m3's 448
