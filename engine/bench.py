@@ -563,6 +563,8 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
         sweep += [dict(kernel="ws", block_m=128, block_n=128, stages=st, pingpong=pp) for st in (2, 3) for pp in (False, True)]
         # P shuffled into the P·V operand's layout at every block instead of renamed in place (V's slots in their own order)
         sweep += [dict(kernel="ws", block_m=bm, block_n=128, stages=2, renamed_p=False) for bm in (64, 128)]
+        # row maxima by the plain reduction (one dependent chain per row) instead of the tree
+        sweep += [dict(kernel="ws", block_m=64, block_n=128, stages=st, tree_max=False) for st in (2, 3)]
     for opts in sweep:
         if opts["kernel"] == "triton":
             opts = {"pv_fp8": True, **opts, "warp_specialize": False}
@@ -777,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--mlp-in-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
                          "Hopper; the other is timed too)")
-    st.add_argument("--attention-options", default="{}", help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p")
+    st.add_argument("--attention-options", default="{}", help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")

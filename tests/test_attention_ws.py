@@ -155,6 +155,28 @@ def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("block_m, block_n, S", [(64, 128, 5824), (64, 64, 336), (128, 128, 320), (64, 32, 336)])
+def test_row_maxima_as_a_tree_give_the_plain_reductions_output_bit_for_bit(block_m, block_n, S):
+    """The tree only reorders the maxima's comparisons: same maxima, same output, masked tiles included."""
+    g = torch.Generator().manual_seed(3)
+    H, M, D, dev = 3, 70, 64 if block_n == 32 else 128, torch.device("cuda")
+    scale = fp8.per_head_scale(torch.rand(H, D, generator=g).to(dev) + 0.5)
+    q8, k8 = (fp8.quantize(rms_heads(g, H, n, D).to(dev), scale) for n in (M, S))
+    vt8 = fp8.quantize(rms_heads(g, H, S, D).to(dev), scale).transpose(1, 2).contiguous()
+    valid = torch.ones(S, dtype=torch.int8, device=dev)
+    valid[40:130] = 0
+    outs = []
+    for tree_max in (True, False):
+        attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=block_n, stages=2, tree_max=tree_max)
+        attention.mark_live_tiles(valid)
+        out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
+        attention(q8, k8, attention.arrange_v(vt8), valid, qk_scale(scale, scale, D), scale, out)
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("block_m, S", [(64, 5824), (64, 320), (128, 1024)])
 def test_e4m3_output_is_the_bf16_output_rounded_at_a_scale_that_never_saturates(block_m, S):
     """As fp8_attention.py's kernel: with an e4m3 `out` and V's scales divided by `out_scale`, the bf16 output
