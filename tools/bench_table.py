@@ -606,12 +606,15 @@ def main() -> None:
                     "two programs share an SM, at 128 one program runs two consumer warpgroups sharing each K/V tile) by "
                     "tile shape and pipeline depth: "
                     + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages{', ping-pong' if c.get('pingpong') else ''}"
-                                f"{', P shuffled (renamed_p=False)' if c.get('renamed_p') is False else ''}: "
+                                f"{', P shuffled (renamed_p=False)' if c.get('renamed_p') is False else ''}"
+                                f"{', row maxima by the plain reduction (tree_max=False)' if c.get('tree_max') is False else ''}: "
                                 f"{c['us']:.1f} us" for c in ws) + ". Ping-pong: the two consumer warpgroups of a 128-row program "
                     "issue their products in turns (FlashAttention-3's schedule), so one's softmax runs under the other's products. "
                     "P shuffled: the probabilities move between threads into the layout of the P·V product's FP8 operand at every "
                     "block, V's slots in their own order; the default renames P's columns in its registers instead and the cache "
-                    "stores V's slots in the matching order (`pv_slot_order`), so nothing moves.", ""]
+                    "stores V's slots in the matching order (`pv_slot_order`), so nothing moves. Row maxima: by default a "
+                    "tree over each thread's columns (depth 5); the plain reduction compiles into one chain of dependent "
+                    "comparisons per row (same maxima, same output).", ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:
         out += ["## Step period with the decoder in its own process", "",
