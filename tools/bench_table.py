@@ -602,8 +602,8 @@ def main() -> None:
         ws = [c for c in att["configs"] if c.get("kernel") == "ws" and "us" in c]
         if ws:
             out += ["The warp-specialised kernel (`engine/kernels/fp8_attention_ws.py`: a producer warp streams K and Vᵀ "
-                    "tiles by TMA; a consumer warpgroup has q·kᵀ of the next tile in flight under its softmax; at block_m 64 "
-                    "two programs share an SM, at 128 one program runs two consumer warpgroups sharing each K/V tile) by "
+                    "tiles by TMA; a consumer warpgroup issues q·kᵀ of the next tile with P·V of this one, then that tile's softmax "
+                    "(the compiled kernel waits for both products first); at block_m 64 two programs share an SM, at 128 one program runs two consumer warpgroups sharing each K/V tile) by "
                     "tile shape and pipeline depth: "
                     + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages{', ping-pong' if c.get('pingpong') else ''}"
                                 f"{', P shuffled (renamed_p=False)' if c.get('renamed_p') is False else ''}"
