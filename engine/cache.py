@@ -41,8 +41,10 @@ KV_DTYPES = {"fp8": fp8.FP8, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain attention: q (H, N, D) over k, v (H, S, D); `valid` (S,) masks empty slots."""
+    """Plain attention: q (H, N, D) over k, v (H, S, D); `valid` (S,) masks empty slots. q and k are taken in
+    v's dtype: rotated by float32 tables, they come back float32 where a float32 model's FP8 linears gave bf16."""
     mask = None if valid is None else valid.view(1, 1, -1)
+    q, k = q.to(v.dtype), k.to(v.dtype)
     return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask)[0]
 
 
@@ -52,11 +54,9 @@ def check_next_step(current: int, step: int) -> None:
 
 
 def reference_self_attention(rope: "TokenRope", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The reference's tokens attend among themselves (all at one temporal position). The rotation keeps
-    q's dtype: on a float32 model served with FP8 linears, q, k and v come out of the projections in bf16
-    while the rotation's tables are float32."""
+    """The reference's tokens attend among themselves (all at one temporal position)."""
     cos, sin = rope.reference(0.0)
-    return attention(apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(q.dtype), v)
+    return attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
 
 
 class TokenRope:
@@ -321,7 +321,7 @@ class RingKVCache:
         # stores V transposed for the Triton kernels): slice the live prefix, copy V into rows.
         live = self.live_prefix()
         k_all, v_all = self.read(layer, q.dtype, live)
-        return attention(apply_rope(q, cos, sin).to(q.dtype), k_all, v_all.contiguous(), None if live is not None else self.valid.bool())
+        return attention(apply_rope(q, cos, sin), k_all, v_all.contiguous(), None if live is not None else self.valid.bool())
 
     def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        head_norm: HeadNorm | None = None,
@@ -381,7 +381,7 @@ class ReferenceKVCache:
             values.append(fv)
         keys.append(apply_rope(k, *self.rope.frame(float(now))))
         values.append(v)
-        return torch.cat(keys, dim=1).to(k.dtype), torch.cat(values, dim=1)  # rotated in the tables' dtype
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                head_norm: HeadNorm | None = None, fp8_out: bool = False) -> torch.Tensor:
@@ -389,7 +389,7 @@ class ReferenceKVCache:
         q, k, v = apply_head_norm(q, k, v, head_norm)
         self.pending[layer] = (k, v)
         k_all, v_all = self.gather(layer, k, v)
-        q = apply_rope(q, *self.rope.frame(float(self.position(self.step)))).to(q.dtype)
+        q = apply_rope(q, *self.rope.frame(float(self.position(self.step))))
         return attention(q, k_all, v_all)
 
     def end_step(self) -> None:

@@ -318,8 +318,7 @@ class WarpSpecializedFP8Attention:
             q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
             RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, OUT_FP8=out_fp8, TREE_MAX=self.tree_max,
-            num_warps=self.num_warps,
-            maxnreg=self.maxnreg)
+            num_warps=self.num_warps, maxnreg=self.maxnreg)
         return out
 
     def descriptors(self, q8, k8, vt8) -> tuple:
