@@ -28,7 +28,9 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 def spill_store_bytes(ptx: str) -> int:
     """Register spill stores ptxas reports for this PTX (spills are made there, after the PTX)."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = Path(get_ptxas(90).path)  # the one Triton builds sm_90a with (Triton 3.9 ships two)
     if not ptxas.is_file():
         pytest.skip("this Triton ships no ptxas")
     with tempfile.TemporaryDirectory() as d:
@@ -39,10 +41,11 @@ def spill_store_bytes(ptx: str) -> int:
 
 
 # (block_m, block_n, stages, head_dim), and the spill stores measured when written: a guard against growth
+# (the larger of Triton 3.6's build and Triton 3.9's: 3.9 spills 72 bytes where 3.6 spilt 64 with renamed_p False)
 # out_fp8: the output written in e4m3 (the serving block's choice) instead of bf16
 @pytest.mark.parametrize("block_m, block_n, stages, head_dim, pingpong, renamed_p, spills, out_fp8", [
     (64, 128, 3, 128, False, True, 64, False), (128, 128, 2, 128, False, True, 88, False), (64, 64, 4, 128, False, True, 0, False),
-    (64, 128, 3, 64, False, True, 0, False), (128, 128, 2, 128, True, True, 88, False), (64, 128, 2, 128, False, False, 64, False),
+    (64, 128, 3, 64, False, True, 0, False), (128, 128, 2, 128, True, True, 88, False), (64, 128, 2, 128, False, False, 72, False),
     (64, 128, 2, 128, False, True, 68, True)])
 def test_builds_for_hopper_with_async_tensor_cores_and_few_spills(block_m, block_n, stages, head_dim, pingpong, renamed_p,
                                                                   spills, out_fp8):

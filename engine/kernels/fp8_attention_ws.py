@@ -31,6 +31,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from engine.kernels import WS_HEAD_DIMS
+
+# The TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.9 (the old name then raises)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 from engine.kernels.fp8_attention import check_out
 
 
@@ -38,17 +41,17 @@ from engine.kernels.fp8_attention import check_out
 def _producer(q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
               q_row, k_row, v_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    _tma_load(q_desc, [q_row, 0], q_bar, q_smem)
     for i in range(n_blocks):
         stage = i % STAGES
         phase = (i // STAGES) & 1
         # A fresh barrier counts as having completed the phase before 0: the first pass does not wait.
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + i * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        _tma_load(k_desc, [k_row + i * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), vt_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(vt_desc, [v_row, i * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+        _tma_load(vt_desc, [v_row, i * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
