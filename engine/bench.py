@@ -592,13 +592,40 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     ms8 = graph_call_ms(lambda: served(q8, k8, vt, valid, qks, v_scale8, out8), device, repeats)
     e4m3 = {**best, "out": "e4m3", "us": 1000 * ms8, "rel_err": ((out8.float() * o_scale - ref).norm() / ref.norm()).item()}
     flops = 4 * H * M * n_live * D
+    grid = grid_fill(best, M, S, D, valid, device, repeats) if best["kernel"] == "ws" else None
     return {"bench": "attention", "date": time.strftime("%Y-%m-%d"), "spec": spec_name, "tp_shard": tp,
             "timing": f"per call, from CUDA graphs of 20 calls; median of {repeats} replays",
             "shape": {"heads": H, "queries": M, "slots": S, "live_slots": n_live, "head_dim": D},
             "device": _device_name(device), "torch": torch.__version__, "sdpa_bf16_us": 1000 * sdpa, "fp8_best": best,
             "speedup": 1000 * sdpa / best["us"], "fp8_tflops": flops / best["us"] / 1e6, "sdpa_tflops": flops / sdpa / 1e9,
-            "fp8_best_e4m3_out": e4m3, "speedup_e4m3_out": 1000 * sdpa / e4m3["us"],
+            "fp8_best_e4m3_out": e4m3, "speedup_e4m3_out": 1000 * sdpa / e4m3["us"], "grid_fill": grid,
             "configs": configs}
+
+
+def grid_fill(best: dict, M: int, S: int, D: int, valid: torch.Tensor, device: torch.device, repeats: int) -> dict:
+    """The fastest ws configuration on the same queries and slots with the head count changed, so that its programs
+    fill the GPU once, exactly (every SM holding as many as it can: two at block_m 64), or just past that: how
+    much of the production call's time comes from how its programs spread over the SMs."""
+    from engine.kernels import make_attention
+    from engine.kernels.fp8_attention import qk_scale
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = 2 if best["block_m"] == 64 else 1  # programs an SM holds (registers, shared memory)
+    m_blocks = -(-M // best["block_m"])
+    options = {k: v for k, v in best.items() if k not in ("us", "rel_err", "kernel")}
+    rows = []
+    for heads in sorted({max(1, sms // m_blocks), -(-per_sm * sms // m_blocks), -(-per_sm * sms // m_blocks) + 1}):
+        g = torch.Generator(device=device).manual_seed(1)
+        scale = fp8.per_head_scale(torch.ones(heads, D, device=device))
+        q8, k8 = (fp8.quantize(rms_heads(g, heads, n, D), scale) for n in (M, S))
+        vt8 = fp8.quantize(rms_heads(g, heads, S, D), scale).transpose(1, 2).contiguous()
+        att = make_attention("ws", heads, M, S, D, device, **options)
+        att.mark_live_tiles(valid)
+        vt, qks = att.arrange_v(vt8), qk_scale(scale, scale, D)
+        out = torch.empty(M, heads * D, device=device, dtype=torch.bfloat16)
+        us = 1000 * graph_call_ms(lambda: att(q8, k8, vt, valid, qks, scale, out), device, repeats)
+        rows.append({"heads": heads, "programs": heads * m_blocks, "us": us})
+    return {"sms": sms, "programs_per_sm": per_sm, "rows": rows}
 
 
 # block_m, block_n, warps, stages, reducers (0: every program multiplies and reduces; else programs that only

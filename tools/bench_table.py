@@ -576,6 +576,19 @@ def main() -> None:
                 + (f"; with its output in e4m3, {served['rel_err']:.3f}. The target above compares the bf16 output with "
                    "SDPA's (like for like: SDPA's bf16 output would need a quantisation pass before the FP8 "
                    "out-projection)." if served else "."), ""]
+        fill = att.get("grid_fill")
+        if fill:
+            programs = -(-shape["queries"] // best["block_m"]) * shape["heads"]
+            per = fill["programs_per_sm"]
+            out += [f"How the call's programs spread over the GPU (the fastest configuration on the same queries and slots, "
+                    f"the head count changed; `grid_fill` in the result): {shape['heads']} heads make {programs} programs for "
+                    f"{fill['sms']} SMs that hold {per} each, so {max(0, per * fill['sms'] - programs)} program slots stay "
+                    f"empty and the call takes {best['us']:.1f} us. "
+                    + "; ".join(f"{r['heads']} heads ({r['programs']} programs"
+                                + (", one per SM" if r["programs"] == fill["sms"] else
+                                   f", {per} on every SM" if r["programs"] == per * fill["sms"] else
+                                   ", past what the SMs hold at once" if r["programs"] > per * fill["sms"] else "")
+                                + f"): {r['us']:.1f} us" for r in fill["rows"]) + ".", ""]
         fa3 = load("fa3_probe_h200.json")
         if fa3:
             state = ("available" if fa3["fa3"] == "active" else
