@@ -112,6 +112,27 @@ def test_kernel_choice():
         assert attention_kernel("auto", cuda, 16) == "triton"  # a head size it is not built for
 
 
+def test_the_probe_builds_the_kernel_and_falls_back_where_this_triton_cannot(monkeypatch, caplog):
+    """On a Hopper GPU the ws kernel is chosen only where this Triton builds it: a Gluon API that moved between
+    Triton versions turns it off with one log line (the Triton kernel serves) instead of failing at the first call."""
+    import logging
+
+    from engine.kernels import _build_ws_attention, hopper_feature
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "a Hopper GPU")
+
+    def moved() -> None:
+        raise RuntimeError("async_copy_global_to_shared has been removed; call async_load instead")
+
+    with caplog.at_level(logging.INFO, logger="talkloop.kernels"):
+        assert not hopper_feature(0, "ws attention", "json", "the Triton kernel serves", build=moved)
+        assert hopper_feature(0, "ws attention", "json", "the Triton kernel serves", build=_build_ws_attention)
+    assert ("ws attention off: this Triton does not build it (RuntimeError: async_copy_global_to_shared has been "
+            "removed; call async_load instead); the Triton kernel serves") in caplog.text
+    assert "ws attention on (a Hopper GPU)" in caplog.text
+
+
 def test_marks_only_fully_live_tiles():
     valid = torch.ones(336, dtype=torch.int8)
     valid[40:130] = 0  # empty ring slots: tiles 0 and 1 of 64 hold some, tile 2 does too (128, 129)

@@ -13,6 +13,7 @@ import functools
 import importlib
 import logging
 import os
+from typing import Callable
 
 import torch
 
@@ -63,9 +64,11 @@ ATTENTION_KERNELS = ("auto", "triton", "ws")
 WS_HEAD_DIMS = (32, 64, 128)  # head sizes the warp-specialised kernel is built for
 
 
-def hopper_feature(device_index: int, feature: str, module: str, fallback: str) -> bool:
-    """A Hopper GPU (sm_90) and a Triton with `module` importable: whether `feature` runs, with one log line
-    either way (`fallback`: what serves instead). Callers cache it per device."""
+def hopper_feature(device_index: int, feature: str, module: str, fallback: str,
+                   build: Callable[[], object] | None = None) -> bool:
+    """A Hopper GPU (sm_90) and a Triton with `module` importable, and where `build` is given, one that builds the
+    kernel (an API that moved between Triton versions shows here, not at the first call): whether `feature` runs,
+    with one log line either way (`fallback`: what serves instead). Callers cache it per device."""
     capability = torch.cuda.get_device_capability(device_index)
     if capability[0] != 9:
         log.info("%s off: it is for Hopper, this GPU is sm_%d%d; %s", feature, *capability, fallback)
@@ -75,15 +78,28 @@ def hopper_feature(device_index: int, feature: str, module: str, fallback: str) 
     except Exception as e:  # an older Triton
         log.info("%s off: %s not importable (%s); %s", feature, module, e, fallback)
         return False
+    if build is not None:
+        try:
+            build()
+        except Exception as e:  # a Triton whose API moved under the kernel
+            log.info("%s off: this Triton does not build it (%s: %s); %s", feature, type(e).__name__,
+                     str(e).strip().splitlines()[-1][:200] if str(e).strip() else "", fallback)
+            return False
     log.info("%s on (%s)", feature, torch.cuda.get_device_name(device_index))
     return True
 
 
+def _build_ws_attention() -> None:
+    from engine.kernels.fp8_attention_ws import compile_for_hopper
+
+    compile_for_hopper()
+
+
 @functools.cache
 def warp_specialized_attention_runs(device_index: int) -> bool:
-    """A Hopper GPU (sm_90) and a Triton with Gluon's Hopper ops; probed once per device."""
+    """A Hopper GPU (sm_90) and a Triton whose Gluon builds the kernel; probed once per device."""
     return hopper_feature(device_index, "warp-specialised FP8 attention", "triton.experimental.gluon.language.nvidia.hopper",
-                          "the Triton FP8 attention kernel serves")
+                          "the Triton FP8 attention kernel serves", build=_build_ws_attention)
 
 
 def attention_kernel(kernel: str, device: torch.device, head_dim: int) -> str:
