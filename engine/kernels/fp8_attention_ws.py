@@ -10,8 +10,9 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   stages, each guarded by a ready and an empty barrier, so loads never wait behind arithmetic;
 - the consumer warpgroup issues q·kᵀ of block i+1 and P·V of block i together and waits for q·kᵀ only.
   The source waits for P·V after the softmax of block i+1, but ptxas moves that wait to the softmax's
-  start, so in the compiled kernel P·V overlaps the q·kᵀ wait, not the softmax. Carrying P·V's
-  accumulator across the loop's back edge keeps the overlap in the SASS, but was no faster on an H200;
+  start, so in the compiled kernel P·V overlaps the q·kᵀ wait, not the softmax (it does so with the
+  masking branch, the barrier arrives or the rescale taken out too). Carrying P·V in flight
+  across the loop's back edge was no faster on an H200, and in some forms ptxas then waits after every product;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
   own that share every K/V tile (half the tile traffic, more registers each; it measured no faster),
