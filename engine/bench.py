@@ -515,6 +515,15 @@ def fastest_correct(configs: list[dict]) -> dict:
 
 
 @torch.no_grad()
+def attention_inputs(H: int, M: int, S: int, D: int, device: torch.device, seed: int) -> tuple:
+    """Unit-RMS q (H, M, D), k and v (H, S, D), their e4m3 forms (q8, k8, Vᵀ as (H, D, S)) and the per-head scale."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    scale = fp8.per_head_scale(torch.ones(H, D, device=device))
+    q, k, v = rms_heads(g, H, M, D), rms_heads(g, H, S, D), rms_heads(g, H, S, D)
+    q8, k8, vt8 = fp8.quantize(q, scale), fp8.quantize(k, scale), fp8.quantize(v, scale).transpose(1, 2).contiguous()
+    return (q, k, v), (q8, k8, vt8), scale
+
+
 def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int) -> dict:
     """One attention call at the production shape: FP8 kernel configurations vs SDPA in bf16."""
     from engine.kernels import attention_kernel, make_attention
@@ -523,11 +532,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     spec = shard_spec(get_spec(spec_name), tp)
     H, M, D = spec.n_heads, spec.frame_tokens, spec.head_dim
     S = -(-spec.cache_slots // 64) * 64  # as the ring stores them; the padding is masked
-    g = torch.Generator(device=device).manual_seed(0)
-    rms = lambda *shape: rms_heads(g, *shape)
-    scale = fp8.per_head_scale(torch.ones(H, D, device=device))
-    q, k, v = rms(H, M, D), rms(H, S, D), rms(H, S, D)
-    q8, k8, vt8 = fp8.quantize(q, scale), fp8.quantize(k, scale), fp8.quantize(v, scale).transpose(1, 2).contiguous()
+    (q, k, v), (q8, k8, vt8), scale = attention_inputs(H, M, S, D, device, seed=0)
     # Live as in the ring: the reference's K/V, then the window's frames; the sink's padding slots
     # (sink_slots - reference tokens) and the slots past cache_slots stay masked.
     live = torch.zeros(S, dtype=torch.bool, device=device)
@@ -615,10 +620,7 @@ def grid_fill(best: dict, M: int, S: int, D: int, valid: torch.Tensor, device: t
     options = {k: v for k, v in best.items() if k not in ("us", "rel_err", "kernel")}
     rows = []
     for heads in sorted({max(1, sms // m_blocks), -(-per_sm * sms // m_blocks), -(-per_sm * sms // m_blocks) + 1}):
-        g = torch.Generator(device=device).manual_seed(1)
-        scale = fp8.per_head_scale(torch.ones(heads, D, device=device))
-        q8, k8 = (fp8.quantize(rms_heads(g, heads, n, D), scale) for n in (M, S))
-        vt8 = fp8.quantize(rms_heads(g, heads, S, D), scale).transpose(1, 2).contiguous()
+        _, (q8, k8, vt8), scale = attention_inputs(heads, M, S, D, device, seed=1)
         att = make_attention("ws", heads, M, S, D, device, **options)
         att.mark_live_tiles(valid)
         vt, qks = att.arrange_v(vt8), qk_scale(scale, scale, D)

@@ -82,8 +82,9 @@ def hopper_feature(device_index: int, feature: str, module: str, fallback: str,
         try:
             build()
         except Exception as e:  # a Triton whose API moved under the kernel
+            lines = str(e).strip().splitlines()  # a compiler error ends with its reason
             log.info("%s off: this Triton does not build it (%s: %s); %s", feature, type(e).__name__,
-                     str(e).strip().splitlines()[-1][:200] if str(e).strip() else "", fallback)
+                     lines[-1][:200] if lines else "", fallback)
             return False
     log.info("%s on (%s)", feature, torch.cuda.get_device_name(device_index))
     return True

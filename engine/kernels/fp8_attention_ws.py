@@ -32,10 +32,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from engine.kernels import WS_HEAD_DIMS
+from engine.kernels.fp8_attention import check_out
 
 # The TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.9 (the old name then raises)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-from engine.kernels.fp8_attention import check_out
 
 
 @gluon.jit
