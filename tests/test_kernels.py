@@ -624,6 +624,55 @@ print("built")
 """
 
 
+_FUSION_BUILD = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.kernels import FP_FUSION
+from engine.kernels.fused_block import _gated_sum_kernel
+
+sig = {n: "*bf16" for n in ("a", "m", "ga", "gm", "x", "y")}
+sig.update(K="i32", HAS_X="constexpr", BLOCK_K="constexpr")
+for options in (FP_FUSION, {"enable_fp_fusion": False}):
+    built = triton.compile(ASTSource(_gated_sum_kernel, sig, constexprs={"HAS_X": True, "BLOCK_K": 1024}),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
+    print(built.asm["ptx"].count("fma.rn.f32"))
+"""
+
+
+def test_every_kernel_launch_asks_for_fma_fusion():
+    """Triton 3.10 turns FP fusion off by default: every launch in engine/kernels passes FP_FUSION, and it is what
+    makes the compiler fuse (gate_a * a + gate_m * m + x built with it and without)."""
+    import ast
+
+    kernels_dir = Path(__file__).resolve().parent.parent / "engine" / "kernels"
+    launches = missing = 0
+    for path in sorted(kernels_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            # kernel[grid](...) launches, and triton.compile(...) builds
+            is_launch = (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                         and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel"))
+            is_build = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "compile"
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "triton")
+            if not (is_launch or is_build):
+                continue
+            launches += 1
+            spread = [k.value for k in node.keywords if k.arg is None]
+            options = [k.value for k in node.keywords if k.arg == "options"]
+            if options and isinstance(options[0], ast.Dict):
+                spread += [v for k, v in zip(options[0].keys, options[0].values) if k is None]
+            if not any(isinstance(v, ast.Name) and v.id == "FP_FUSION" for v in spread):
+                missing += 1
+                print(f"{path.name}:{node.lineno} launches without **FP_FUSION")
+    assert launches >= 14 and missing == 0, (launches, missing)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", _FUSION_BUILD], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fused, unfused = map(int, out.stdout.split()[-2:])
+    assert fused > 0 and unfused == 0, (fused, unfused)
+
+
 def test_the_block_and_cache_kernels_build_for_hopper():
     """The GPU build of the kernels the fused block and the ring cache launch (ptxas ships with Triton): this
     process runs them in the interpreter, so they are compiled in a fresh one."""

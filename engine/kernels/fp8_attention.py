@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import interpreting
+from engine.kernels import FP_FUSION, interpreting
 from engine.kernels.common import to_fp8
 
 LOG2E = 1.4426950408889634
@@ -215,12 +215,12 @@ class FP8Attention:
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, SPLITS=self.splits, EXACT=interpreting(),
             PV_FP8=self.pv_fp8, WARP_SPECIALIZE=self.warp_specialize, EXP2_UNIT=self.exp2,
             LAZY_RESCALE=self.lazy_rescale, EVEN_N=self.even_n, TMA=self.tma, OUT_FP8=out_fp8,
-            num_warps=self.num_warps, num_stages=self.num_stages,
+            num_warps=self.num_warps, num_stages=self.num_stages, **FP_FUSION,
         )
         if self.splits > 1:
             _merge_kernel[(triton.cdiv(M, 64), H)](
                 self.part_o, self.part_m, self.part_l, v_scale, out, out.stride(0), D, H, M,
-                D=D, BLOCK_M=64, SPLITS=self.splits, OUT_FP8=out_fp8, EXACT=interpreting(), num_warps=4,
+                D=D, BLOCK_M=64, SPLITS=self.splits, OUT_FP8=out_fp8, EXACT=interpreting(), num_warps=4, **FP_FUSION,
             )
         return out
 

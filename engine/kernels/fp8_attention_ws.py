@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from engine.kernels import WS_HEAD_DIMS
+from engine.kernels import FP_FUSION, WS_HEAD_DIMS
 from engine.kernels.fp8_attention import check_out
 
 # The TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.9 (the old name then raises)
@@ -322,7 +322,7 @@ class WarpSpecializedFP8Attention:
             q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
             RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, OUT_FP8=out_fp8, TREE_MAX=self.tree_max,
-            num_warps=self.num_warps, maxnreg=self.maxnreg)
+            num_warps=self.num_warps, maxnreg=self.maxnreg, **FP_FUSION)
         return out
 
     def descriptors(self, q8, k8, vt8) -> tuple:
@@ -365,4 +365,4 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
                  "TREE_MAX": tree_max,
                  "num_warps": att.num_warps}
     return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg})
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg, **FP_FUSION})

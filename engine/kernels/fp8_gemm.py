@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels import interpreting
+from engine.kernels import FP_FUSION, interpreting
 from engine.kernels.common import round_to
 
 
@@ -116,7 +116,7 @@ class FP8GEMM:
                                       BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
                                       PROGRAMS=programs, SWIGLU=self.swiglu,
                                       PROMOTE_EVERY=None if self.fast_accum else self.block_k, EXACT=interpreting(),
-                                      num_stages=self.stages, num_warps=self.num_warps)
+                                      num_stages=self.stages, num_warps=self.num_warps, **FP_FUSION)
         return out
 
 

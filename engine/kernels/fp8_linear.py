@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import nn
 
 from engine import fp8
-from engine.kernels import interpreting
+from engine.kernels import FP_FUSION, interpreting
 from engine.kernels.common import to_fp8
 
 log = logging.getLogger("talkloop.kernels")
@@ -45,7 +45,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x8 = torch.empty(M, K, device=x.device, dtype=fp8.FP8)
     sx = torch.empty(M, 1, device=x.device, dtype=torch.float32)
     _quant_rows_kernel[(M,)](x, x8, sx, K, x.stride(0), BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
-                             num_warps=8 if K >= 4096 else 4)
+                             num_warps=8 if K >= 4096 else 4, **FP_FUSION)
     return x8, sx
 
 

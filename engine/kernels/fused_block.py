@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from engine import fp8
-from engine.kernels import interpreting
+from engine.kernels import FP_FUSION, interpreting
 from engine.kernels.common import to_fp8
 
 
@@ -57,7 +57,7 @@ def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
     sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
     _ln_mod_quant_kernel[(N,)](x, shift, scale, h8, sh, K, eps, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
-                               num_warps=8 if K >= 4096 else 4)
+                               num_warps=8 if K >= 4096 else 4, **FP_FUSION)
     return h8, sh
 
 
@@ -90,7 +90,7 @@ def swiglu_quant(gu: torch.Tensor, interleave: int = 0):
     m8 = torch.empty(N, K, device=gu.device, dtype=fp8.FP8)
     sm = torch.empty(N, 1, device=gu.device, dtype=torch.float32)
     _swiglu_quant_kernel[(N,)](gu, m8, sm, K, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(), INTERLEAVE=interleave,
-                               num_warps=8 if K >= 4096 else 4)
+                               num_warps=8 if K >= 4096 else 4, **FP_FUSION)
     return m8, sm
 
 
@@ -118,7 +118,7 @@ def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: to
     N, K = a.shape
     y = torch.empty_like(x if x is not None else a)
     _gated_sum_kernel[(N, triton.cdiv(K, 1024))](a, m, gate_a, gate_m, x if x is not None else a, y, K,
-                                                  HAS_X=x is not None, BLOCK_K=1024)
+                                                  HAS_X=x is not None, BLOCK_K=1024, **FP_FUSION)
     return y
 
 
@@ -142,7 +142,8 @@ def gated_sum_ln_quant(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, g
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
     sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
     _gated_sum_ln_quant_kernel[(N,)](a, m, gate_a, gate_m, x, y, shift, scale, h8, sh, K, eps,
-                                     BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(), num_warps=8 if K >= 4096 else 4)
+                                     BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(), num_warps=8 if K >= 4096 else 4,
+                                     **FP_FUSION)
     return y, h8, sh
 
 

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import FP_FUSION
+
 READY, DONE = tl.constexpr(0), tl.constexpr(1)  # flag planes
 BLOCK_DEFAULTS = dict(block_m=128, block_n=128)  # output tile; every rank must use the same
 
@@ -194,7 +196,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, buffer_ptrs
     meta = dict(RANK=rank, WORLD=world, PROGRAMS=programs, REDUCERS=reducers, PUSH=push, HAS_ROW_SCALE=row_scale is not None,
                 HAS_COL_SCALE=col_scale is not None, HAS_GATE=gate is not None, HAS_RESIDUAL=residual is not None,
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    _gemm_all_reduce_kernel[(programs,)](*args, **meta)
+    _gemm_all_reduce_kernel[(programs,)](*args, **meta, **FP_FUSION)
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import interpreting
+from engine.kernels import FP_FUSION, interpreting
 from engine.kernels.common import round_to, to_fp8
 
 
@@ -120,6 +120,7 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos, sin, pos_idx, slot, q8, k_cache, vt_cache, valid, q_scale, k_scale, v_scale, gains, eps, F, S, H,
         D=D, BLOCK_T=block_t, EXACT=interpreting(), NORM=head_norm is not None, PV_ORDER=pv_order, num_warps=num_warps,
+        **FP_FUSION,
     )
 
 
@@ -143,7 +144,8 @@ def rope_store(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos_idx:
     R, N, D = src.shape
     assert src.is_contiguous() and dst.is_contiguous()
     grid = (triton.cdiv(N, block_t), R)
-    _rope_store_kernel[grid](src, cos, sin, pos_idx, dst, scale, N, dst.shape[1], D=D, BLOCK_T=block_t, EXACT=interpreting())
+    _rope_store_kernel[grid](src, cos, sin, pos_idx, dst, scale, N, dst.shape[1], D=D, BLOCK_T=block_t, EXACT=interpreting(),
+                                 **FP_FUSION)
 
 
 @triton.jit
@@ -170,4 +172,4 @@ def delta_rotate(cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scal
     pairs = cos.numel()
     grid = (triton.cdiv(S - first, block_t), R)
     _delta_rotate_kernel[grid](cache, cos, sin, scale, first, S, D=D, PAIRS=pairs,
-                               PAIRS_P2=triton.next_power_of_2(pairs), BLOCK_T=block_t, EXACT=interpreting())
+                               PAIRS_P2=triton.next_power_of_2(pairs), BLOCK_T=block_t, EXACT=interpreting(), **FP_FUSION)
