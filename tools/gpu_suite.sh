@@ -31,6 +31,7 @@ for part in $parts; do
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
       --format=csv -lms 250 > "$OUT/step_smi.csv" & smi=$!
     run python3 tools/step_profile.py > "$OUT/step_profile_tp3.json" && head -c 400 "$OUT/step_profile_tp3.json"
+    run python3 tools/step_profile.py --graph > "$OUT/step_timeline_tp3.json" && head -c 400 "$OUT/step_timeline_tp3.json"
     run python3 -m engine.bench step --spec characters-57b --tp-shard 3 --json ${STEP_ARGS:-} > "$OUT/step_tp3.json" && cat "$OUT/step_tp3.json"
     kill $smi
   fi

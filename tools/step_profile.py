@@ -2,14 +2,23 @@
 
     python tools/step_profile.py [--tp-shard 3] [--attention-options JSON]   # on a GPU; prints JSON
     (tile options name their kernel: '{"kernel": "ws", "stages": 2}' or '{"kernel": "triton", "block_n": 64}')
+    python tools/step_profile.py --graph    # the served step: its CUDA graph replayed, on the GPU's timeline
 
-The step runs eagerly here (no CUDA graph) so that every kernel shows by name; kernel durations
-are the GPU's own, launch gaps are not counted. Kernels are grouped by name and sorted by total time.
+By default the step runs eagerly (no CUDA graph); kernel durations are the GPU's own, launch gaps
+are not counted. Kernels are grouped by name and sorted by total time. With --graph, steps are
+replayed as served and each one's kernels are laid on the timeline: its span (first kernel's start
+to last kernel's end), the time at least one kernel runs (busy), the idle gaps between kernels, and
+the kernel time summed, which exceeds busy by what the two streams (a block's MLP branch beside its
+attention) ran at once. A kernel's duration there includes its wait for SMs the other stream holds.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import tempfile
+import time
 from collections import defaultdict
 
 import torch
@@ -26,12 +35,19 @@ def main() -> None:
     ap.add_argument("--tp-shard", type=int, default=3)
     ap.add_argument("--attention-options", type=json.loads, default=None)
     ap.add_argument("--fast-accum", choices=("on", "off"), default="on", help="as in engine.bench step")
+    ap.add_argument("--graph", action="store_true", help="profile the served step (CUDA graph) on the GPU's timeline")
+    ap.add_argument("--steps", type=int, default=3, help="steps profiled with --graph")
     args = ap.parse_args()
     dev = torch.device("cuda")
     spec = get_spec(args.spec)
     fast_accum = args.fast_accum == "on"
     model = random_shard(spec, args.tp_shard, dev, torch.bfloat16, fp8_gemms=True, fast_accum=fast_accum)
-    session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", attention_options=args.attention_options)
+    session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", attention_options=args.attention_options,
+                            cuda_graph=args.graph)
+    if args.graph:
+        print(json.dumps({"spec": spec.name, "tp_shard": args.tp_shard, "device": torch.cuda.get_device_name(),
+                          "fast_accum": fast_accum, **graph_timeline(session, spec, dev, args.steps)}, indent=1))
+        return
     with torch.no_grad():
         session.start(torch.randn(spec.latent_channels, *spec.latent_grid, device=dev, dtype=torch.bfloat16))
         audio = torch.randn(spec.frames_per_latent, spec.n_mels, device=dev)
@@ -54,6 +70,78 @@ def main() -> None:
                       "kernel_ms_total": sum(total.values()) / 1000,
                       "kernels": [{"name": n[:90], "ms": total[n] / 1000, "calls": count[n],
                                    "us_per_call": total[n] / count[n]} for n in rows[:40]]}, indent=1))
+
+
+def timeline(kernels: list[tuple[float, float, str]]) -> dict:
+    """One step's kernels as (start us, duration us, name), sorted by start: span, busy, gaps, kernel time."""
+    busy = 0.0
+    gaps: list[float] = []
+    run_start, run_end = kernels[0][0], kernels[0][0] + kernels[0][1]
+    for start, dur, _ in kernels[1:]:
+        if start > run_end:  # idle from the end of everything before to this start
+            busy += run_end - run_start
+            gaps.append(start - run_end)
+            run_start, run_end = start, start + dur
+        else:
+            run_end = max(run_end, start + dur)
+    busy += run_end - run_start
+    return {"kernels": len(kernels), "span_ms": (run_end - kernels[0][0]) / 1e3, "busy_ms": busy / 1e3,
+            "idle_gaps": len(gaps), "idle_ms": sum(gaps) / 1e3, "idle_gap_median_us": statistics.median(gaps) if gaps else 0.0,
+            "idle_gap_max_us": max(gaps, default=0.0), "kernel_ms": sum(d for _, d, _ in kernels) / 1e3}
+
+
+@torch.no_grad()
+def graph_timeline(session: EngineSession, spec, dev: torch.device, steps: int) -> dict:
+    """Served steps (CUDA graph replays), each on the GPU timeline; steps are told apart by a pause between them."""
+    session.start(torch.randn(spec.latent_channels, *spec.latent_grid, device=dev, dtype=torch.bfloat16))
+    audio = torch.randn(spec.frames_per_latent, spec.n_mels, device=dev)
+    for _ in range(4):  # the first captures the graph
+        session.push_audio_features(audio)
+        session.step()
+    torch.cuda.synchronize()
+    pause_us = 20_000
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):  # each step() alone between pauses, timed as engine.bench times it (sync to sync)
+            session.push_audio_features(audio)
+            torch.cuda.synchronize()
+            time.sleep(pause_us / 1e6)
+            t0 = time.perf_counter()
+            session.step()
+            torch.cuda.synchronize()
+            walls.append(1e3 * (time.perf_counter() - t0))
+            time.sleep(pause_us / 1e6)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events
+                     if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    per_step, current = [], [kernels[0]]
+    for k in kernels[1:]:
+        if k[0] - max(s + d for s, d, _ in current[-64:]) > pause_us / 2:
+            per_step.append(current)
+            current = []
+        current.append(k)
+    per_step.append(current)
+    per_step = [ks for ks in per_step if len(ks) > max(map(len, per_step)) // 2]  # the steps, not the audio pushes between
+    rows = [{"wall_ms": wall, **timeline(ks)} for wall, ks in zip(walls, per_step)]
+    by_name: dict[str, float] = defaultdict(float)
+    for _, dur, name in per_step[-1]:
+        by_name[name[:90]] += dur / 1e3
+    largest, last_end, last_name = [], None, None  # the last step's widest idle gaps, with the kernels either side
+    for start, dur, name in per_step[-1]:
+        if last_end is not None and start > last_end:
+            largest.append((start - last_end, last_name[:60], name[:60]))
+        if last_end is None or start + dur > last_end:
+            last_end, last_name = start + dur, name
+    return {"mode": "CUDA graph replay, timeline", "steps": rows,
+            "first_kernels_last_step": [{"at_us": round(t - per_step[-1][0][0], 1), "us": round(d, 1), "name": n[:60]}
+                                        for t, d, n in per_step[-1][:14]],
+            "widest_gaps_last_step": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(largest, reverse=True)[:6]],
+            **{f"median_{k}": statistics.median(r[k] for r in rows) for k in ("wall_ms", "span_ms", "busy_ms", "idle_ms", "kernel_ms")},
+            "kernels_last_step": [{"name": n, "ms": round(t, 3)} for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:12]]}
 
 
 if __name__ == "__main__":
