@@ -260,16 +260,16 @@ def _session_steps(session, steps: int, device: torch.device) -> list[float]:
 
 
 def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: torch.device, *, resets: bool,
-                 before_step: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
+                 before_step: Callable[[], None] | None = None, reset_needed: bool = True) -> tuple[list[float], list[float]]:
     """Step times (ms) after `warmup` steps, steps with a position reset apart; with `resets`, go on
-    (within two reset periods) until one reset step was timed too."""
+    (within two reset periods) until one reset step was timed too, unless not `reset_needed`."""
     for _ in range(warmup):
         session.push_audio_features(audio)
         session.step()
     times: list[float] = []
     reset_times: list[float] = []
     every = session.cache.reset_every if resets else 0
-    while len(times) < steps or (resets and not reset_times):
+    while len(times) < steps or (resets and reset_needed and not reset_times):
         session.push_audio_features(audio)
         if before_step is not None:
             before_step()
@@ -278,6 +278,21 @@ def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: 
         if len(times) > steps + 2 * session.spec.reset_every:
             break
     return times, reset_times
+
+
+def _paced_step_stats(session, audio: torch.Tensor, steps: int, device: torch.device) -> dict:
+    """Steps started one real-time period apart (spec.step_seconds: a step's frames at the video's frame rate),
+    each timed as in _timed_steps, reset steps apart. Back to back, a GPU under its power cap runs every step
+    at the cap; at the cadence a real-time session keeps, it idles between steps."""
+    period = session.spec.step_seconds
+    next_start = [time.perf_counter()]
+
+    def wait_for_slot() -> None:
+        next_start[0] += period
+        time.sleep(max(0.0, next_start[0] - time.perf_counter()))
+
+    times, _ = _timed_steps(session, audio, steps, 1, device, resets=True, before_step=wait_for_slot, reset_needed=False)
+    return {"step_ms_at_realtime_cadence": statistics.median(times), "realtime_cadence_ms": 1000 * period}
 
 
 def _step_stats(times: list[float], resets: list[float]) -> dict:
@@ -324,6 +339,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         session.start(ref_latent)
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast)
         out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+        if fast:  # the same session with its steps started at the real-time cadence
+            out.update(_paced_step_stats(session, audio, steps, device))
 
         def median_step_ms(other: EngineSession) -> float:  # a fresh session on the same weights: its own graph
             other.start(ref_latent)

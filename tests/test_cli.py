@@ -113,3 +113,33 @@ def test_generate_across_processes(tmp_path, launcher):
     assert json.loads(out.stdout.strip().splitlines()[-1])["frames"] == 12
     with av.open(str(mp4)) as c:
         assert sum(1 for _ in c.decode(video=0)) == 12
+
+
+def test_the_paced_step_timing_starts_steps_one_real_time_period_apart(monkeypatch):
+    """engine.bench step's second figure: steps started at the cadence a real-time session keeps (a step's frames
+    at the video's frame rate), each timed alone, reset steps apart."""
+    import time
+
+    import torch
+
+    from engine import bench
+    from engine.session import EngineSession
+    from tests.helpers import reference_latent, tiny_model
+
+    model = tiny_model()
+    session = EngineSession(model, seed=0)
+    session.start(reference_latent(model.spec))
+    starts, step = [], session.step
+
+    def recorded_step():
+        starts.append(time.perf_counter())
+        return step()
+
+    monkeypatch.setattr(session, "step", recorded_step)
+    audio = torch.zeros(model.spec.frames_per_latent, model.spec.n_mels)
+    out = bench._paced_step_stats(session, audio, 6, torch.device("cpu"))
+    period = model.spec.step_seconds
+    assert out["realtime_cadence_ms"] == pytest.approx(1000 * period)
+    assert 0 < out["step_ms_at_realtime_cadence"] < 1000 * period  # the tiny model's step takes far less than a period
+    gaps = [b - a for a, b in zip(starts[1:], starts[2:])]  # after the warm-up step
+    assert len(gaps) >= 5 and min(gaps) >= 0.95 * period and max(gaps) < 1.5 * period
