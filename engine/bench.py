@@ -262,37 +262,46 @@ def _session_steps(session, steps: int, device: torch.device) -> list[float]:
 def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: torch.device, *, resets: bool,
                  before_step: Callable[[], None] | None = None, reset_needed: bool = True) -> tuple[list[float], list[float]]:
     """Step times (ms) after `warmup` steps, steps with a position reset apart; with `resets`, go on
-    (within two reset periods) until one reset step was timed too, unless not `reset_needed`."""
+    (within two reset periods) until one reset step was timed too, unless `reset_needed` is False."""
     for _ in range(warmup):
         session.push_audio_features(audio)
         session.step()
     times: list[float] = []
     reset_times: list[float] = []
     every = session.cache.reset_every if resets else 0
-    while len(times) < steps or (resets and reset_needed and not reset_times):
+    for _ in range(2 * steps + 2 * max(every, 1)):  # bounded: with resets every step, no step is steady-state
+        if len(times) >= steps and not (resets and reset_needed and not reset_times):
+            break
         session.push_audio_features(audio)
         if before_step is not None:
             before_step()
         reset = bool(every) and session.steps_done % every == 0
         (reset_times if reset else times).extend(_session_steps(session, 1, device))
-        if len(times) > steps + 2 * session.spec.reset_every:
-            break
+    if not times:
+        raise ValueError(f"every timed step was a position reset (reset_every={every}): no steady-state step to time")
     return times, reset_times
 
 
 def _paced_step_stats(session, audio: torch.Tensor, steps: int, device: torch.device) -> dict:
     """Steps started one real-time period apart (spec.step_seconds: a step's frames at the video's frame rate),
-    each timed as in _timed_steps, reset steps apart. Back to back, a GPU under its power cap runs every step
-    at the cap; at the cadence a real-time session keeps, it idles between steps."""
+    each timed as in _timed_steps, reset steps apart. Back to back the GPU never idles between steps; at the
+    cadence a real-time session keeps, it does. A step that outlasts its period starts the next one late (the
+    schedule moves on from there, counted in `realtime_cadence_missed`) rather than back to back."""
     period = session.spec.step_seconds
     next_start = [time.perf_counter()]
+    missed = [0]
 
     def wait_for_slot() -> None:
+        now = time.perf_counter()
         next_start[0] += period
-        time.sleep(max(0.0, next_start[0] - time.perf_counter()))
+        if next_start[0] < now:
+            next_start[0] = now
+            missed[0] += 1
+        time.sleep(next_start[0] - now)
 
     times, _ = _timed_steps(session, audio, steps, 1, device, resets=True, before_step=wait_for_slot, reset_needed=False)
-    return {"step_ms_at_realtime_cadence": statistics.median(times), "realtime_cadence_ms": 1000 * period}
+    return {"step_ms_at_realtime_cadence": statistics.median(times), "realtime_cadence_ms": 1000 * period,
+            "realtime_cadence_missed": missed[0]}
 
 
 def _step_stats(times: list[float], resets: list[float]) -> dict:

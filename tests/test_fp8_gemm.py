@@ -153,6 +153,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
+from engine.kernels import FP_FUSION
 from engine.kernels.fp8_gemm import _fp8_gemm_kernel
 
 hopper = GPUTarget("cuda", 90, 32)
@@ -166,7 +167,7 @@ for swiglu, stages in ((False, 4), (True, 3)):  # the launcher's defaults, at th
            **const("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PROGRAMS", "SWIGLU", "PROMOTE_EVERY", "EXACT")}
     values = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, PROGRAMS=132, SWIGLU=swiglu, PROMOTE_EVERY=None, EXACT=False)
     builds.append(triton.compile(ASTSource(_fp8_gemm_kernel, sig, constexprs=values), target=hopper,
-                                 options={"num_warps": 8, "num_stages": stages}))
+                                 options={"num_warps": 8, "num_stages": stages, **FP_FUSION}))
 for built in builds:
     ptx = built.asm["ptx"]
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx, built.name

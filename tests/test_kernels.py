@@ -593,6 +593,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from engine.kernels import FP_FUSION
 from engine.kernels.fused_block import _gated_sum_kernel, _gated_sum_ln_quant_kernel, _ln_mod_quant_kernel
 from engine.kernels.rope_write import _write_frame_kernel
 
@@ -613,7 +614,7 @@ for kernel, sig, const in ((_ln_mod_quant_kernel, rows, {"BLOCK_K": 8192, "EXACT
                            (_gated_sum_ln_quant_kernel, gated, {"BLOCK_K": 8192, "EXACT": False}),
                            *((_write_frame_kernel, write, {"D": 128, "BLOCK_T": t, "EXACT": False, "NORM": True, "PV_ORDER": pv})
                              for t in (16, 64) for pv in (False, True))):
-    built = triton.compile(ASTSource(kernel, sig, constexprs=const), target=hopper, options={"num_warps": 8})
+    built = triton.compile(ASTSource(kernel, sig, constexprs=const), target=hopper, options={"num_warps": 8, **FP_FUSION})
     assert ".target sm_90" in built.asm["ptx"], kernel
     if kernel is _write_frame_kernel:  # V's (D, BLOCK_T) store runs along the slots in either order: coalesced
         ir = built.asm["ttgir"]
@@ -641,8 +642,8 @@ for options in (FP_FUSION, {"enable_fp_fusion": False}):
 
 
 def test_every_kernel_launch_asks_for_fma_fusion():
-    """Triton 3.10 turns FP fusion off by default: every launch in engine/kernels passes FP_FUSION, and it is what
-    makes the compiler fuse (gate_a * a + gate_m * m + x built with it and without)."""
+    """Triton 3.9 warns that 3.10 will turn FP fusion off by default: every launch in engine/kernels passes
+    FP_FUSION, and it is what makes the compiler fuse (gate_a * a + gate_m * m + x built with it and without)."""
     import ast
 
     kernels_dir = Path(__file__).resolve().parent.parent / "engine" / "kernels"

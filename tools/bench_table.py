@@ -374,15 +374,16 @@ def step_timeline(t: dict | None) -> list[str]:
     if not t:
         return []
     first = t["widest_gaps_last_step"][0] if t.get("widest_gaps_last_step") else None
-    line = (f"The served step on the GPU's timeline (its CUDA graph replayed under `torch.profiler`, {len(t['steps'])} steps "
-            f"started 20 ms apart; command: `python tools/step_profile.py --graph`, result "
-            f"`docs/results/step_timeline_57b_tp3_h200.json`): of a {t['median_span_ms']:.1f} ms span from its first kernel "
-            f"to its last, the GPU runs at least one kernel for {t['median_busy_ms']:.1f} ms and idles {t['median_idle_ms']:.1f} ms "
-            f"(medians); its kernels' durations add up to {t['median_kernel_ms']:.1f} ms, the two streams running at once for the "
-            "difference.")
+    line = (f"The served step on the GPU's timeline (its CUDA graph replayed under `torch.profiler`, {len(t['steps'])} steps, "
+            f"each run alone after an idle pause of {t.get('pause_ms', 20):.0f} ms; command: `python tools/step_profile.py --graph`, "
+            f"result `docs/results/step_timeline_57b_tp3_h200.json`): of a {t['median_span_ms']:.1f} ms span from its first "
+            f"kernel to its last, at least one kernel runs for {t['median_busy_ms']:.1f} ms and none for "
+            f"{t['median_idle_ms']:.1f} ms (medians). The kernels' durations add up to {t['median_kernel_ms']:.1f} ms: the two "
+            "streams run kernels at once, and a kernel's duration includes its wait for SMs the other stream holds.")
     if first:
-        line += (f" The widest idle gap, {first['us'] / 1e3:.1f} ms, is the last step's wait between its input copy "
-                 f"(`{first['after']}`) and the graph's first kernel.")
+        line += (f" The widest idle gap of the last step, {first['us'] / 1e3:.1f} ms, lies between `{first['after']}` and "
+                 f"`{first['before']}`" + (" (the step's inputs are copied in just before its graph is replayed)"
+                                           if first["after"].startswith("Memcpy") else "") + ".")
     return [line, ""]
 
 
@@ -479,12 +480,17 @@ def main() -> None:
                 f"| delta rotation alone | {s['reset_rotation_ms']:.2f} | | |",
                 f"| peak GPU memory, GB | {s['peak_memory_gb']:.1f} | {b['peak_memory_gb']:.1f} | |", ""]
         if "step_ms_at_realtime_cadence" in s:
-            out += [f"Started at the real-time cadence, one step every {s['realtime_cadence_ms']:.1f} ms (a step's 4 frames "
-                    f"at 24 fps; same session, same run, median of {step['steps_timed']} steps): "
+            sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+            from engine.config import get_spec
+
+            spec = get_spec(step["spec"])
+            missed = s.get("realtime_cadence_missed")
+            out += [f"Started at the real-time cadence, one step every {s['realtime_cadence_ms']:.1f} ms (a step's "
+                    f"{spec.frames_per_latent} frames at {spec.fps} fps; same session, same run, median of "
+                    f"{step['steps_timed']} steps" + (f", {missed} of them started late" if missed else "") + "): "
                     f"{ms(s['step_ms_at_realtime_cadence'])} ms per step, against {ms(s['step_ms'])} ms back to back above. "
-                    "Back to back the GPU holds its power cap and its clock drops (clock log below); at the cadence a "
-                    "real-time session keeps, it idles between steps and runs each one faster. The target row above is "
-                    "the back-to-back figure.", ""]
+                    "Back to back the GPU never idles between steps; at the cadence a real-time session keeps, it does. "
+                    "The target row above is the back-to-back figure.", ""]
         for key, setting, what in (("step_ms_with_branch_streams", "branch-streams on", "each block's MLP branch on a side stream"),
                                    ("step_ms_without_branch_streams", "branch-streams off", "each block's MLP branch in line"),
                                    ("step_ms_with_fast_accum", "fast-accum on", "the FP8 GEMMs' fast accumulation"),

@@ -92,7 +92,8 @@ def timeline(kernels: list[tuple[float, float, str]]) -> dict:
 
 @torch.no_grad()
 def graph_timeline(session: EngineSession, spec, dev: torch.device, steps: int) -> dict:
-    """Served steps (CUDA graph replays), each on the GPU timeline; steps are told apart by a pause between them."""
+    """Served steps (CUDA graph replays), each on the GPU timeline: each step runs alone, after an idle pause (which
+    tells steps apart on the timeline; the profiler's own cost is in the figures too)."""
     session.start(torch.randn(spec.latent_channels, *spec.latent_grid, device=dev, dtype=torch.bfloat16))
     audio = torch.randn(spec.frames_per_latent, spec.n_mels, device=dev)
     for _ in range(4):  # the first captures the graph
@@ -126,6 +127,8 @@ def graph_timeline(session: EngineSession, spec, dev: torch.device, steps: int) 
         current.append(k)
     per_step.append(current)
     per_step = [ks for ks in per_step if len(ks) > max(map(len, per_step)) // 2]  # the steps, not the audio pushes between
+    if len(per_step) != steps:  # an idle gap inside a step as long as the pause would split it
+        raise RuntimeError(f"told {len(per_step)} steps apart on the timeline, ran {steps}")
     rows = [{"wall_ms": wall, **timeline(ks)} for wall, ks in zip(walls, per_step)]
     by_name: dict[str, float] = defaultdict(float)
     for _, dur, name in per_step[-1]:
@@ -136,7 +139,7 @@ def graph_timeline(session: EngineSession, spec, dev: torch.device, steps: int) 
             largest.append((start - last_end, last_name[:60], name[:60]))
         if last_end is None or start + dur > last_end:
             last_end, last_name = start + dur, name
-    return {"mode": "CUDA graph replay, timeline", "steps": rows,
+    return {"mode": "CUDA graph replay, timeline", "pause_ms": pause_us / 1e3, "steps": rows,
             "first_kernels_last_step": [{"at_us": round(t - per_step[-1][0][0], 1), "us": round(d, 1), "name": n[:60]}
                                         for t, d, n in per_step[-1][:14]],
             "widest_gaps_last_step": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(largest, reverse=True)[:6]],

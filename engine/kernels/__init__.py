@@ -24,8 +24,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# Every launch asks for a * b + c as one FMA, as the kernels were written and measured with: Triton 3.10
-# turns that fusion off by default (3.9 warns), which would add instructions to every inner loop and change roundings.
+# Every launch asks for a * b + c as one FMA, as the kernels were written and measured with: Triton 3.9 warns
+# that 3.10 will turn that fusion off by default, which would add instructions to every inner loop and change roundings.
 FP_FUSION = {"enable_fp_fusion": True}
 
 
