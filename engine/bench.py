@@ -288,20 +288,21 @@ def _paced_step_stats(session, audio: torch.Tensor, steps: int, device: torch.de
     cadence a real-time session keeps, it does. A step that outlasts its period starts the next one late (the
     schedule moves on from there, counted in `realtime_cadence_missed`) rather than back to back."""
     period = session.spec.step_seconds
-    next_start = [time.perf_counter()]
-    missed = [0]
+    next_start = time.perf_counter()
+    missed = 0
 
     def wait_for_slot() -> None:
+        nonlocal next_start, missed
         now = time.perf_counter()
-        next_start[0] += period
-        if next_start[0] < now:
-            next_start[0] = now
-            missed[0] += 1
-        time.sleep(next_start[0] - now)
+        next_start += period
+        if next_start < now:
+            next_start = now
+            missed += 1
+        time.sleep(next_start - now)
 
     times, _ = _timed_steps(session, audio, steps, 1, device, resets=True, before_step=wait_for_slot, reset_needed=False)
     return {"step_ms_at_realtime_cadence": statistics.median(times), "realtime_cadence_ms": 1000 * period,
-            "realtime_cadence_missed": missed[0]}
+            "realtime_cadence_missed": missed}
 
 
 def _step_stats(times: list[float], resets: list[float]) -> dict:

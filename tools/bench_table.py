@@ -11,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
+sys.path.insert(0, str(ROOT))  # the project's own modules, with the script run from anywhere
 
 
 def load(name: str) -> dict | None:
@@ -207,7 +208,6 @@ def two_gpus() -> list[str]:
 
 def voice_loop() -> list[str]:
     out: list[str] = []
-    sys.path.insert(0, str(ROOT))  # run as a script from anywhere
     from voice.bench import TARGET_S
 
     gpu_machine = ("The GPU machine (one H200), the models on its CPU: CTranslate2's CUDA build needs CUDA 12's cuBLAS, "
@@ -480,7 +480,6 @@ def main() -> None:
                 f"| delta rotation alone | {s['reset_rotation_ms']:.2f} | | |",
                 f"| peak GPU memory, GB | {s['peak_memory_gb']:.1f} | {b['peak_memory_gb']:.1f} | |", ""]
         if "step_ms_at_realtime_cadence" in s:
-            sys.path.insert(0, str(ROOT))  # run as a script from anywhere
             from engine.config import get_spec
 
             spec = get_spec(step["spec"])

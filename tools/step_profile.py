@@ -72,20 +72,24 @@ def main() -> None:
                                    "us_per_call": total[n] / count[n]} for n in rows[:40]]}, indent=1))
 
 
+def idle_gaps(kernels: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+    """(gap us, the kernel that ended last before it, the kernel after it) for every stretch with no kernel running;
+    kernels as (start us, duration us, name), sorted by start."""
+    gaps = []
+    end, last = kernels[0][0] + kernels[0][1], kernels[0][2]
+    for start, dur, name in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if start + dur > end:
+            end, last = start + dur, name
+    return gaps
+
+
 def timeline(kernels: list[tuple[float, float, str]]) -> dict:
     """One step's kernels as (start us, duration us, name), sorted by start: span, busy, gaps, kernel time."""
-    busy = 0.0
-    gaps: list[float] = []
-    run_start, run_end = kernels[0][0], kernels[0][0] + kernels[0][1]
-    for start, dur, _ in kernels[1:]:
-        if start > run_end:  # idle from the end of everything before to this start
-            busy += run_end - run_start
-            gaps.append(start - run_end)
-            run_start, run_end = start, start + dur
-        else:
-            run_end = max(run_end, start + dur)
-    busy += run_end - run_start
-    return {"kernels": len(kernels), "span_ms": (run_end - kernels[0][0]) / 1e3, "busy_ms": busy / 1e3,
+    gaps = [g for g, _, _ in idle_gaps(kernels)]
+    span = max(s + d for s, d, _ in kernels) - kernels[0][0]
+    return {"kernels": len(kernels), "span_ms": span / 1e3, "busy_ms": (span - sum(gaps)) / 1e3,
             "idle_gaps": len(gaps), "idle_ms": sum(gaps) / 1e3, "idle_gap_median_us": statistics.median(gaps) if gaps else 0.0,
             "idle_gap_max_us": max(gaps, default=0.0), "kernel_ms": sum(d for _, d, _ in kernels) / 1e3}
 
@@ -119,12 +123,13 @@ def graph_timeline(session: EngineSession, spec, dev: torch.device, steps: int) 
             events = json.load(f)["traceEvents"]
     kernels = sorted((e["ts"], e["dur"], e["name"]) for e in events
                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
-    per_step, current = [], [kernels[0]]
-    for k in kernels[1:]:
-        if k[0] - max(s + d for s, d, _ in current[-64:]) > pause_us / 2:
+    per_step, current, end = [], [], kernels[0][0]
+    for k in kernels:
+        if k[0] - end > pause_us / 2:
             per_step.append(current)
             current = []
         current.append(k)
+        end = max(end, k[0] + k[1])
     per_step.append(current)
     per_step = [ks for ks in per_step if len(ks) > max(map(len, per_step)) // 2]  # the steps, not the audio pushes between
     if len(per_step) != steps:  # an idle gap inside a step as long as the pause would split it
@@ -133,16 +138,11 @@ def graph_timeline(session: EngineSession, spec, dev: torch.device, steps: int) 
     by_name: dict[str, float] = defaultdict(float)
     for _, dur, name in per_step[-1]:
         by_name[name[:90]] += dur / 1e3
-    largest, last_end, last_name = [], None, None  # the last step's widest idle gaps, with the kernels either side
-    for start, dur, name in per_step[-1]:
-        if last_end is not None and start > last_end:
-            largest.append((start - last_end, last_name[:60], name[:60]))
-        if last_end is None or start + dur > last_end:
-            last_end, last_name = start + dur, name
+    widest = sorted(idle_gaps(per_step[-1]), reverse=True)[:6]  # the last step's, with the kernels either side
     return {"mode": "CUDA graph replay, timeline", "pause_ms": pause_us / 1e3, "steps": rows,
             "first_kernels_last_step": [{"at_us": round(t - per_step[-1][0][0], 1), "us": round(d, 1), "name": n[:60]}
                                         for t, d, n in per_step[-1][:14]],
-            "widest_gaps_last_step": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(largest, reverse=True)[:6]],
+            "widest_gaps_last_step": [{"us": round(g, 1), "after": a[:60], "before": b[:60]} for g, a, b in widest],
             **{f"median_{k}": statistics.median(r[k] for r in rows) for k in ("wall_ms", "span_ms", "busy_ms", "idle_ms", "kernel_ms")},
             "kernels_last_step": [{"name": n, "ms": round(t, 3)} for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:12]]}
 
