@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -21,6 +22,7 @@ import torch
 from engine import fp8
 from engine.cache import ReferenceKVCache, RingKVCache, attention
 from engine.config import SPECS, ModelSpec, get_spec, shard_spec
+from engine.gpu_energy import EnergyMeter, EnergyWindow
 from engine.model import CausalVideoDiT
 from engine.parallel import shard_model_
 from engine.weights import pick_device
@@ -260,29 +262,40 @@ def _session_steps(session, steps: int, device: torch.device) -> list[float]:
 
 
 def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: torch.device, *, resets: bool,
-                 before_step: Callable[[], None] | None = None, reset_needed: bool = True) -> tuple[list[float], list[float]]:
+                 before_step: Callable[[], None] | None = None, reset_needed: bool = True,
+                 energy: EnergyWindow | None = None) -> tuple[list[float], list[float]]:
     """Step times (ms) after `warmup` steps, steps with a position reset apart; with `resets`, go on
-    (within two reset periods) until one reset step was timed too, unless `reset_needed` is False."""
+    (within two reset periods) until one reset step was timed too, unless `reset_needed` is False.
+    `energy`, if given, is entered around the timed steps (not the warm-up)."""
     for _ in range(warmup):
         session.push_audio_features(audio)
         session.step()
     times: list[float] = []
     reset_times: list[float] = []
     every = session.cache.reset_every if resets else 0
-    for _ in range(2 * steps + 2 * max(every, 1)):  # bounded: with resets every step, no step is steady-state
-        if len(times) >= steps and not (resets and reset_needed and not reset_times):
-            break
-        session.push_audio_features(audio)
-        if before_step is not None:
-            before_step()
-        reset = bool(every) and session.steps_done % every == 0
-        (reset_times if reset else times).extend(_session_steps(session, 1, device))
+    with energy if energy is not None else contextlib.nullcontext():
+        for _ in range(2 * steps + 2 * max(every, 1)):  # bounded: with resets every step, no step is steady-state
+            if len(times) >= steps and not (resets and reset_needed and not reset_times):
+                break
+            session.push_audio_features(audio)
+            if before_step is not None:
+                before_step()
+            reset = bool(every) and session.steps_done % every == 0
+            (reset_times if reset else times).extend(_session_steps(session, 1, device))  # each step synchronises
     if not times:
         raise ValueError(f"every timed step was a position reset (reset_every={every}): no steady-state step to time")
     return times, reset_times
 
 
-def _paced_step_stats(session, audio: torch.Tensor, steps: int, device: torch.device) -> dict:
+def _energy_stats(window: EnergyWindow, steps: int, suffix: str = "", clock: bool = True) -> dict:
+    """The window's joules per step and mean watts (and median SM clock) under the step benchmark's names."""
+    r = window.result(steps)
+    names = {"joules_per_step": "step_joules", "watts": "step_watts", **({"sm_clock_mhz": "sm_clock_mhz"} if clock else {})}
+    return {names[k] + suffix: v for k, v in r.items() if k in names}
+
+
+def _paced_step_stats(session, audio: torch.Tensor, steps: int, device: torch.device,
+                      meter: EnergyMeter | None = None) -> dict:
     """Steps started one real-time period apart (spec.step_seconds: a step's frames at the video's frame rate),
     each timed as in _timed_steps, reset steps apart. Back to back the GPU never idles between steps; at the
     cadence a real-time session keeps, it does. A step that outlasts its period starts the next one late (the
@@ -300,9 +313,13 @@ def _paced_step_stats(session, audio: torch.Tensor, steps: int, device: torch.de
             missed += 1
         time.sleep(next_start - now)
 
-    times, _ = _timed_steps(session, audio, steps, 1, device, resets=True, before_step=wait_for_slot, reset_needed=False)
+    window = EnergyWindow(meter)
+    times, resets = _timed_steps(session, audio, steps, 1, device, resets=True, before_step=wait_for_slot, reset_needed=False,
+                                 energy=window)
+    # the GPU idles between paced steps: energy per step and mean power count those pauses, the clock would not say much
     return {"step_ms_at_realtime_cadence": statistics.median(times), "realtime_cadence_ms": 1000 * period,
-            "realtime_cadence_missed": missed}
+            "realtime_cadence_missed": missed,
+            **_energy_stats(window, len(times) + len(resets), "_at_realtime_cadence", clock=False)}
 
 
 def _step_stats(times: list[float], resets: list[float]) -> dict:
@@ -320,7 +337,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     branch on a side stream with `branch_streams`; FP8 GEMMs with fast accumulation with `fast_accum`;
     `gemm_kernels` over the engine's default FP8 GEMM kernels) vs the baseline (naive cache with
     read-time RoPE, SDPA in bf16, bf16 GEMMs, eager). The serving path's step is also timed with each
-    of those settings flipped, on the same weights."""
+    of those settings flipped, on the same weights. Where NVML is readable, each configuration's timed
+    steps also give their energy (joules per step, mean watts, median SM clock) beside the power limit."""
     from engine.session import EngineSession
 
     full = get_spec(spec_name)
@@ -337,6 +355,10 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         result["triton"] = triton.__version__
     except ImportError:
         pass
+    # Back to back for seconds, a GPU meets its power limit and lowers its clock: the step's energy is timed with it
+    meter = EnergyMeter.open(device)
+    if meter is not None:
+        result["power_limit_w"], result["max_sm_clock_mhz"] = meter.power_limit_w(), meter.max_sm_clock_mhz()
 
     def run_config(fast: bool) -> dict:
         torch.cuda.empty_cache()
@@ -347,10 +369,12 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                                                                   cuda_graph=True, attention_options=options)
         session = serving() if fast else EngineSession(model, cache="reference")
         session.start(ref_latent)
-        times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast)
-        out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+        window = EnergyWindow(meter)
+        times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast, energy=window)
+        out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+               **_energy_stats(window, len(times) + len(resets))}
         if fast:  # the same session with its steps started at the real-time cadence
-            out.update(_paced_step_stats(session, audio, steps, device))
+            out.update(_paced_step_stats(session, audio, steps, device, meter))
 
         def median_step_ms(other: EngineSession) -> float:  # a fresh session on the same weights: its own graph
             other.start(ref_latent)

@@ -1,0 +1,118 @@
+"""The step benchmark's energy figures: NVML's counter read around the timed steps (engine/gpu_energy.py)."""
+
+import logging
+import time
+
+import pytest
+import torch
+
+from engine import bench
+from engine.gpu_energy import EnergyMeter, EnergyWindow
+
+
+class _FakeMeter:
+    """An energy counter that moves by `mj_per_read` at every read and a constant SM clock."""
+
+    def __init__(self, start_mj: int = 5_000, mj_per_read: int = 0, clock_mhz: int = 1500):
+        self.mj, self.mj_per_read, self.clock = start_mj, mj_per_read, clock_mhz
+        self.reads = 0
+
+    def millijoules(self) -> int:
+        self.reads += 1
+        value = self.mj
+        self.mj += self.mj_per_read
+        return value
+
+    def sm_clock_mhz(self) -> int:
+        return self.clock
+
+
+def test_a_window_gives_joules_per_step_mean_watts_and_the_median_clock():
+    meter = _FakeMeter(start_mj=1_000_000, mj_per_read=3_000, clock_mhz=1485)
+    ticks = iter([10.0, 10.5])  # the window lasts 0.5 s by its clock
+    with EnergyWindow(meter, sample_s=0.001, clock=lambda: next(ticks)) as window:
+        time.sleep(0.01)  # a few clock samples
+    r = window.result(steps=4)
+    assert r["joules_per_step"] == pytest.approx(3.0 / 4)  # 3,000 mJ between the two reads, over 4 steps
+    assert r["watts"] == pytest.approx(3.0 / 0.5)
+    assert r["seconds"] == pytest.approx(0.5)
+    assert r["sm_clock_mhz"] == 1485 and len(window.clocks) >= 1
+    assert meter.reads == 2
+
+
+def test_a_window_without_a_meter_measures_nothing_and_the_bench_adds_no_fields():
+    with EnergyWindow(None) as window:
+        pass
+    assert window.result(steps=3) == {}
+    assert bench._energy_stats(window, 3) == {}
+
+
+def test_a_window_with_no_steps_is_an_error_that_says_so():
+    with EnergyWindow(_FakeMeter(mj_per_read=10), sample_s=0.001) as window:
+        time.sleep(0.002)
+    with pytest.raises(ValueError, match="at least one step"):
+        window.result(steps=0)
+
+
+def test_the_step_benchmark_names_its_energy_figures():
+    ticks = iter([0.0, 2.0])
+    with EnergyWindow(_FakeMeter(mj_per_read=140_000, clock_mhz=1470), sample_s=0.001, clock=lambda: next(ticks)) as window:
+        time.sleep(0.005)
+    assert bench._energy_stats(window, 20) == {"step_joules": pytest.approx(7.0), "step_watts": pytest.approx(70.0),
+                                               "sm_clock_mhz": 1470}
+    assert bench._energy_stats(window, 20, "_at_realtime_cadence", clock=False) == {
+        "step_joules_at_realtime_cadence": pytest.approx(7.0), "step_watts_at_realtime_cadence": pytest.approx(70.0)}
+
+
+def test_the_window_holds_the_timed_steps_and_not_the_warm_up():
+    """`_timed_steps` enters the energy window after its warm-up steps and leaves it after the last timed one."""
+    from engine.session import EngineSession
+    from tests.helpers import reference_latent, tiny_model
+
+    model = tiny_model()
+    session = EngineSession(model, seed=0)
+    session.start(reference_latent(model.spec))
+    audio = torch.zeros(model.spec.frames_per_latent, model.spec.n_mels)
+    seen = []
+
+    class Recording(EnergyWindow):
+        def __enter__(self):
+            seen.append(session.steps_done)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            seen.append(session.steps_done)
+            return super().__exit__(*exc)
+
+    window = Recording(_FakeMeter(mj_per_read=1_000), sample_s=0.001)
+    times, resets = bench._timed_steps(session, audio, 4, 2, torch.device("cpu"), resets=False, energy=window)
+    assert seen == [2, 2 + len(times) + len(resets)] and len(times) == 4
+    assert window.result(len(times) + len(resets))["joules_per_step"] == pytest.approx(1.0 / 4)
+
+
+def test_no_meter_on_the_cpu_or_without_nvml(caplog):
+    assert EnergyMeter.open(torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        return
+    with caplog.at_level(logging.INFO, logger="talkloop.bench"):
+        assert EnergyMeter.open(torch.device("cuda", 0), library="libnvidia-ml-missing.so") is None
+    assert "NVML" in caplog.text and "did not load" in caplog.text
+
+
+@pytest.mark.gpu
+def test_the_gpu_energy_counter_moves_while_the_gpu_works():
+    device = torch.device("cuda", 0)
+    meter = EnergyMeter.open(device)
+    assert meter is not None, "NVML's energy counter should be readable on a data-centre GPU"
+    assert meter.power_limit_w() > 50 and meter.max_sm_clock_mhz() > 500
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    with EnergyWindow(meter, sample_s=0.01) as window:
+        t_end = time.perf_counter() + 1.0
+        while time.perf_counter() < t_end:
+            for _ in range(20):
+                a = (a @ a).clamp_(-1, 1)
+            torch.cuda.synchronize(device)
+    r = window.result(steps=1)
+    # a second of matmuls: well above idle power and within what one board can draw
+    assert 50 < r["watts"] < 2000 and r["joules_per_step"] == pytest.approx(r["watts"] * r["seconds"])
+    assert 200 < r["sm_clock_mhz"] <= meter.max_sm_clock_mhz()
