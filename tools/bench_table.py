@@ -449,16 +449,18 @@ def step_energy(step: dict) -> list[str]:
     if "step_joules" not in s or "power_limit_w" not in step:
         return []
     limit = step["power_limit_w"]
+    period_ms = 1000 * s["step_joules"] / s["step_watts"]  # the window's length per step, the host's pauses included
     floor_ms = 1000 * s["step_joules"] / limit
     out = [f"Energy over the same timed steps (NVML's energy counter, read before and after; `step_joules`, `step_watts`): "
-           f"back to back the serving step takes {s['step_joules']:.1f} J at a mean {s['step_watts']:.0f} W against the "
-           f"GPU's {limit:.0f} W power limit, with the SM clock at a median {s['sm_clock_mhz']:.0f} MHz of its "
-           f"{step['max_sm_clock_mhz']} MHz maximum. At the limit, {s['step_joules']:.1f} J take at least "
-           f"{floor_ms:.1f} ms: back to back, the step is bound by the GPU's power, and a shorter one needs less energy "
-           "per step, not fewer idle gaps."]
+           f"back to back the serving step takes {s['step_joules']:.1f} J, one every {period_ms:.1f} ms on average with the "
+           f"host's pauses between steps, at a mean {s['step_watts']:.0f} W against the GPU's {limit:.0f} W power limit; "
+           f"the SM clock's median is {s['sm_clock_mhz']:.0f} MHz of its {step['max_sm_clock_mhz']} MHz maximum. The driver "
+           f"holds the mean power to the limit, so steps of {s['step_joules']:.1f} J cannot follow each other more often "
+           f"than one every {floor_ms:.1f} ms on average: back to back, the step is bound by the GPU's power, and a "
+           "shorter one needs less energy per step, not fewer idle gaps."]
     if "step_joules_at_realtime_cadence" in s:
-        out[-1] += (f" At the real-time cadence, {s['step_joules_at_realtime_cadence']:.1f} J a period at a mean "
-                    f"{s['step_watts_at_realtime_cadence']:.0f} W, the pauses between steps included.")
+        out[-1] += (f" At the real-time cadence: {s['step_joules_at_realtime_cadence']:.1f} J a period (the idle pause "
+                    f"included) at a mean {s['step_watts_at_realtime_cadence']:.0f} W, below the limit.")
     if "step_joules" in b:
         out[-1] += f" The eager baseline: {b['step_joules']:.1f} J a step at a mean {b['step_watts']:.0f} W."
     return out + [""]
