@@ -146,6 +146,14 @@ def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
     """Median time of `fn` replayed as a CUDA graph (no launch gaps), or eagerly on the CPU."""
     if device.type != "cuda":
         return statistics.median(time_ms(fn, device, repeats))
+    graph = _captured(fn, device)
+    ms = statistics.median(time_ms(graph.replay, device, repeats))
+    del graph
+    return ms
+
+
+def _captured(fn: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after one warm-up call on a side stream."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -154,9 +162,40 @@ def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    ms = statistics.median(time_ms(graph.replay, device, repeats))
+    return graph
+
+
+def sustained_energy(fn: Callable[[], None], device: torch.device, meter: EnergyMeter | None, seconds: float = 3.0,
+                     calls: int = 20) -> dict:
+    """Per call of `fn`, replayed in CUDA graphs of `calls` calls back to back for `seconds` after as long again to
+    warm up (long enough for the GPU to settle at its power limit where the work takes it there): joules, mean
+    watts, median SM clock and time. Empty without a meter."""
+    if meter is None:
+        return {}
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+    graph = _captured(run, device)
+
+    def replay_for(s: float, window: EnergyWindow | None = None) -> int:
+        replays, end = 0, time.perf_counter() + s
+        with window if window is not None else contextlib.nullcontext():
+            while time.perf_counter() < end:
+                graph.replay()
+                replays += 1
+                if replays % 4 == 0:  # never more than a few replays queued: the window ends with the work
+                    _sync(device)
+            _sync(device)
+        return replays
+
+    replay_for(seconds)
+    window = EnergyWindow(meter)
+    n = calls * replay_for(seconds, window)
+    r = window.result(n)
     del graph
-    return ms
+    return {"joules_per_call": r["joules_per_step"], "watts": r["watts"], "sm_clock_mhz": r.get("sm_clock_mhz"),
+            "us_per_call": 1e6 * r["seconds"] / n}
 
 
 def rms_heads(g: torch.Generator, *shape: int) -> torch.Tensor:
@@ -649,12 +688,21 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     e4m3 = {**best, "out": "e4m3", "us": 1000 * ms8, "rel_err": ((out8.float() * o_scale - ref).norm() / ref.norm()).item()}
     flops = 4 * H * M * n_live * D
     grid = grid_fill(best, M, S, D, valid, device, repeats) if best["kernel"] == "ws" else None
+    # Energy per call, each run back to back for seconds: in the served step the GPU sits at its power limit,
+    # where a call's energy, more than its time alone, sets what it costs the step
+    meter = EnergyMeter.open(device)
+    energy = {"sdpa_bf16": sustained_energy(lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb), device, meter),
+              "fp8_best_e4m3_out": sustained_energy(lambda: served(q8, k8, vt, valid, qks, v_scale8, out8), device, meter)}
+    if meter is not None:
+        energy["power_limit_w"] = meter.power_limit_w()
+        energy["sdpa_over_fp8_joules"] = energy["sdpa_bf16"]["joules_per_call"] / energy["fp8_best_e4m3_out"]["joules_per_call"]
     return {"bench": "attention", "date": time.strftime("%Y-%m-%d"), "spec": spec_name, "tp_shard": tp,
             "timing": f"per call, from CUDA graphs of 20 calls; median of {repeats} replays",
             "shape": {"heads": H, "queries": M, "slots": S, "live_slots": n_live, "head_dim": D},
             "device": _device_name(device), "torch": torch.__version__, "sdpa_bf16_us": 1000 * sdpa, "fp8_best": best,
             "speedup": 1000 * sdpa / best["us"], "fp8_tflops": flops / best["us"] / 1e6, "sdpa_tflops": flops / sdpa / 1e9,
             "fp8_best_e4m3_out": e4m3, "speedup_e4m3_out": 1000 * sdpa / e4m3["us"], "grid_fill": grid,
+            "energy": energy if meter is not None else None,
             "configs": configs}
 
 

@@ -116,3 +116,24 @@ def test_the_gpu_energy_counter_moves_while_the_gpu_works():
     # a second of matmuls: well above idle power and within what one board can draw
     assert 50 < r["watts"] < 2000 and r["joules_per_step"] == pytest.approx(r["watts"] * r["seconds"])
     assert 200 < r["sm_clock_mhz"] <= meter.max_sm_clock_mhz()
+
+
+def test_sustained_energy_is_empty_without_a_meter():
+    assert bench.sustained_energy(lambda: None, torch.device("cpu"), None) == {}
+
+
+@pytest.mark.gpu
+def test_sustained_energy_counts_every_call_in_its_window():
+    device = torch.device("cuda", 0)
+    meter = EnergyMeter.open(device)
+    a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+    calls = []
+
+    def matmul():
+        calls.append(None)  # once per capture and warm-up only: replays run on the GPU alone
+        torch.mm(a, a)
+    r = bench.sustained_energy(matmul, device, meter, seconds=0.5, calls=10)
+    one = bench.graph_call_ms(lambda: torch.mm(a, a), device, 5, calls=10)  # ms per call, clock unconstrained
+    assert len(calls) == 20  # the warm-up call and the capture, each of 10 calls
+    assert r["joules_per_call"] > 0 and 50 < r["watts"] < 2000
+    assert 0.5 * 1000 * one < r["us_per_call"] < 5 * 1000 * one  # host gaps between replays add a little

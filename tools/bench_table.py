@@ -630,6 +630,17 @@ def main() -> None:
                 + (f"; with its output in e4m3, {served['rel_err']:.3f}. The target above compares the bf16 output with "
                    "SDPA's (like for like: SDPA's bf16 output would need a quantisation pass before the FP8 "
                    "out-projection)." if served else "."), ""]
+        energy = att.get("energy")
+        if energy:
+            e_sdpa, e_fp8 = energy["sdpa_bf16"], energy["fp8_best_e4m3_out"]
+            out += ["Energy per call (`energy` in the result: each kernel replayed back to back for 3 s after 3 s of warm-up, "
+                    "NVML's energy counter read before and after): SDPA in bf16 "
+                    f"{1000 * e_sdpa['joules_per_call']:.1f} mJ at a mean {e_sdpa['watts']:.0f} W and {e_sdpa['us_per_call']:.1f} us "
+                    f"a call; the fastest FP8 kernel with its output in e4m3 {1000 * e_fp8['joules_per_call']:.1f} mJ at "
+                    f"{e_fp8['watts']:.0f} W and {e_fp8['us_per_call']:.1f} us; SDPA takes "
+                    f"{energy['sdpa_over_fp8_joules']:.2f}x the FP8 kernel's energy (power limit {energy['power_limit_w']:.0f} W). "
+                    "In the served step the GPU sits at its power limit, where a call costs the step its energy "
+                    "rather than its time alone.", ""]
         fill = att.get("grid_fill")
         if fill:
             programs = -(-shape["queries"] // best["block_m"]) * shape["heads"]
