@@ -406,7 +406,15 @@ def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = 
             *([f"For scale on the attention target: cuDNN's own FP8 attention reaches "
                f"{cudnn['cudnn_fp8_prefix']['speedup_vs_sdpa_bf16']:.2f}x at this shape on this GPU, where ours reaches "
                f"{cudnn['ws_fp8']['speedup_vs_sdpa_bf16']:.2f}x in the same run (FP8 attention section below).", ""]
-              if cudnn and "cudnn_fp8_prefix" in cudnn else [])]
+              if cudnn and "cudnn_fp8_prefix" in cudnn else []),
+            *([f"On the step target: back to back, the GPU holds its {step['power_limit_w']:.0f} W power limit, and at that "
+               f"limit steps of {s['step_joules']:.1f} J cannot come more often than one every "
+               f"{1000 * s['step_joules'] / step['power_limit_w']:.1f} ms on average, the host's pauses between them included; "
+               f"steps one every 100 ms, back to back, need at most {0.1 * step['power_limit_w']:.0f} J each (energy "
+               "paragraph below)."
+               + (f" Held back to back, SDPA in bf16 takes {att['energy']['sdpa_over_fp8_joules']:.2f}x the served FP8 "
+                  "attention's energy per call." if att.get("energy") else ""), ""]
+              if "step_joules" in s and "power_limit_w" in step else [])]
 
 
 def cudnn_attention(r: dict | None) -> list[str]:
