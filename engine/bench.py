@@ -634,7 +634,8 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     qb, kb, vb = q.bfloat16()[None], k[:, live_idx].bfloat16()[None], v[:, live_idx].bfloat16()[None]
     # Every kernel timed as a CUDA graph of 20 calls: launched from Python, the Gluon kernel's launcher (descriptors,
     # argument checks) outlasts the kernel itself and the timing measured the host (82 us against 62 us in a graph).
-    sdpa = graph_call_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb), device, repeats)
+    sdpa_call = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
+    sdpa = graph_call_ms(sdpa_call, device, repeats)
     ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
     out = torch.empty(M, H * D, device=device, dtype=torch.bfloat16)
     qks = qk_scale(scale, scale, D)
@@ -684,15 +685,16 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     o_scale = out_scale(scale, S)
     out8 = torch.empty(M, H * D, device=device, dtype=fp8.FP8)
     v_scale8 = scale / o_scale  # made once: a kernel of its own in the timed call would be timed too
-    ms8 = graph_call_ms(lambda: served(q8, k8, vt, valid, qks, v_scale8, out8), device, repeats)
+    served_call = lambda: served(q8, k8, vt, valid, qks, v_scale8, out8)
+    ms8 = graph_call_ms(served_call, device, repeats)
     e4m3 = {**best, "out": "e4m3", "us": 1000 * ms8, "rel_err": ((out8.float() * o_scale - ref).norm() / ref.norm()).item()}
     flops = 4 * H * M * n_live * D
     grid = grid_fill(best, M, S, D, valid, device, repeats) if best["kernel"] == "ws" else None
     # Energy per call, each run back to back for seconds: in the served step the GPU sits at its power limit,
     # where a call's energy, more than its time alone, sets what it costs the step
     meter = EnergyMeter.open(device)
-    energy = {"sdpa_bf16": sustained_energy(lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb), device, meter),
-              "fp8_best_e4m3_out": sustained_energy(lambda: served(q8, k8, vt, valid, qks, v_scale8, out8), device, meter)}
+    energy = {"sdpa_bf16": sustained_energy(sdpa_call, device, meter),
+              "fp8_best_e4m3_out": sustained_energy(served_call, device, meter)}
     if meter is not None:
         energy["power_limit_w"] = meter.power_limit_w()
         energy["sdpa_over_fp8_joules"] = energy["sdpa_bf16"]["joules_per_call"] / energy["fp8_best_e4m3_out"]["joules_per_call"]

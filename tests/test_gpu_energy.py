@@ -99,12 +99,18 @@ def test_no_meter_on_the_cpu_or_without_nvml(caplog):
     assert "NVML" in caplog.text and "did not load" in caplog.text
 
 
-@pytest.mark.gpu
-def test_the_gpu_energy_counter_moves_while_the_gpu_works():
-    device = torch.device("cuda", 0)
-    meter = EnergyMeter.open(device)
+@pytest.fixture
+def gpu_meter() -> EnergyMeter:
+    """GPU 0's meter; the test skips where that GPU's NVML has no energy counter."""
+    meter = EnergyMeter.open(torch.device("cuda", 0))
     if meter is None:
         pytest.skip("this GPU's NVML has no energy counter (Volta and later data-centre GPUs have one)")
+    return meter
+
+
+@pytest.mark.gpu
+def test_the_gpu_energy_counter_moves_while_the_gpu_works(gpu_meter):
+    device, meter = torch.device("cuda", 0), gpu_meter
     assert meter.power_limit_w() > 50 and meter.max_sm_clock_mhz() > 500
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     with EnergyWindow(meter, sample_s=0.01) as window:
@@ -124,11 +130,8 @@ def test_sustained_energy_is_empty_without_a_meter():
 
 
 @pytest.mark.gpu
-def test_sustained_energy_counts_every_call_in_its_window():
-    device = torch.device("cuda", 0)
-    meter = EnergyMeter.open(device)
-    if meter is None:
-        pytest.skip("this GPU's NVML has no energy counter")
+def test_sustained_energy_counts_every_call_in_its_window(gpu_meter):
+    device, meter = torch.device("cuda", 0), gpu_meter
     a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
     calls = []
 

@@ -409,7 +409,7 @@ def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = 
               if cudnn and "cudnn_fp8_prefix" in cudnn else []),
             *([f"On the step target: back to back, the GPU holds its {step['power_limit_w']:.0f} W power limit, and at that "
                f"limit steps of {s['step_joules']:.1f} J cannot come more often than one every "
-               f"{1000 * s['step_joules'] / step['power_limit_w']:.1f} ms on average, the host's pauses between them included; "
+               f"{power_floor_ms(step):.1f} ms on average, the host's pauses between them included; "
                f"steps one every 100 ms, back to back, need at most {0.1 * step['power_limit_w']:.0f} J each (energy "
                "paragraph below)."
                + (f" Held back to back, SDPA in bf16 takes {att['energy']['sdpa_over_fp8_joules']:.2f}x the served FP8 "
@@ -451,6 +451,11 @@ def cudnn_attention(r: dict | None) -> list[str]:
     return out
 
 
+def power_floor_ms(step: dict) -> float:
+    """The shortest mean period of back-to-back serving steps that the power limit allows at their energy."""
+    return 1000 * step["serving"]["step_joules"] / step["power_limit_w"]
+
+
 def step_energy(step: dict) -> list[str]:
     """The step's energy (NVML's counter over the timed steps) and what the power limit makes of it."""
     s, b = step["serving"], step["baseline"]
@@ -458,13 +463,12 @@ def step_energy(step: dict) -> list[str]:
         return []
     limit = step["power_limit_w"]
     period_ms = 1000 * s["step_joules"] / s["step_watts"]  # the window's length per step, the host's pauses included
-    floor_ms = 1000 * s["step_joules"] / limit
     out = [f"Energy over the same timed steps (NVML's energy counter, read before and after; `step_joules`, `step_watts`): "
            f"back to back the serving step takes {s['step_joules']:.1f} J, one every {period_ms:.1f} ms on average with the "
            f"host's pauses between steps, at a mean {s['step_watts']:.0f} W against the GPU's {limit:.0f} W power limit; "
            f"the SM clock's median is {s['sm_clock_mhz']:.0f} MHz of its {step['max_sm_clock_mhz']} MHz maximum. The driver "
            f"holds the mean power to the limit, so steps of {s['step_joules']:.1f} J cannot follow each other more often "
-           f"than one every {floor_ms:.1f} ms on average: back to back, the step is bound by the GPU's power, and a "
+           f"than one every {power_floor_ms(step):.1f} ms on average: back to back, the step is bound by the GPU's power, and a "
            "shorter one needs less energy per step, not fewer idle gaps."]
     if "step_joules_at_realtime_cadence" in s:
         out[-1] += (f" At the real-time cadence: {s['step_joules_at_realtime_cadence']:.1f} J a period (the idle pause "
