@@ -289,7 +289,9 @@ def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor, head_no
     return upkeep
 
 
-def _session_steps(session, steps: int, device: torch.device) -> list[float]:
+def _session_steps(session, steps: int, device: torch.device, graph_times: list[dict] | None = None) -> list[float]:
+    """Wall times (ms) of `steps` steps, each from a synchronised start to its end; each step's graph timing
+    (`EngineSession.last_graph_times`) appended to `graph_times` where the session replays one."""
     out = []
     for _ in range(steps):
         _sync(device)
@@ -297,15 +299,27 @@ def _session_steps(session, steps: int, device: torch.device) -> list[float]:
         session.step()
         _sync(device)
         out.append(1000 * (time.perf_counter() - t0))
+        marks = session.last_graph_times() if graph_times is not None and hasattr(session, "last_graph_times") else None
+        if marks is not None:
+            graph_times.append(marks)
     return out
+
+
+def _graph_stats(graph_times: list[dict], suffix: str = "") -> dict:
+    """Medians of the steps' graph timings: the graph's own GPU time and its start's lag behind its inputs' copy."""
+    if not graph_times:
+        return {}
+    return {f"step_graph_ms{suffix}": statistics.median(g["graph_ms"] for g in graph_times),
+            f"graph_launch_lag_ms{suffix}": statistics.median(g["launch_lag_ms"] for g in graph_times)}
 
 
 def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: torch.device, *, resets: bool,
                  before_step: Callable[[], None] | None = None, reset_needed: bool = True,
-                 energy: EnergyWindow | None = None) -> tuple[list[float], list[float]]:
+                 energy: EnergyWindow | None = None, graph_times: list[dict] | None = None) -> tuple[list[float], list[float]]:
     """Step times (ms) after `warmup` steps, steps with a position reset apart; with `resets`, go on
     (within two reset periods) until one reset step was timed too, unless `reset_needed` is False.
-    `energy`, if given, is entered around the timed steps (not the warm-up)."""
+    `energy`, if given, is entered around the timed steps (not the warm-up); `graph_times` collects the
+    steady steps' graph timings (`_session_steps`)."""
     for _ in range(warmup):
         session.push_audio_features(audio)
         session.step()
@@ -320,7 +334,8 @@ def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: 
             if before_step is not None:
                 before_step()
             reset = bool(every) and session.steps_done % every == 0
-            (reset_times if reset else times).extend(_session_steps(session, 1, device))  # each step synchronises
+            (reset_times if reset else times).extend(  # each step synchronises
+                _session_steps(session, 1, device, None if reset else graph_times))
     if not times:
         raise ValueError(f"every timed step was a position reset (reset_every={every}): no steady-state step to time")
     return times, reset_times
@@ -352,12 +367,12 @@ def _paced_step_stats(session, audio: torch.Tensor, steps: int, device: torch.de
             missed += 1
         time.sleep(next_start - now)
 
-    window = EnergyWindow(meter)
+    window, graph_times = EnergyWindow(meter), []
     times, resets = _timed_steps(session, audio, steps, 1, device, resets=True, before_step=wait_for_slot, reset_needed=False,
-                                 energy=window)
+                                 energy=window, graph_times=graph_times)
     # the GPU idles between paced steps: energy per step and mean power count those pauses, the clock would not say much
     return {"step_ms_at_realtime_cadence": statistics.median(times), "realtime_cadence_ms": 1000 * period,
-            "realtime_cadence_missed": missed,
+            "realtime_cadence_missed": missed, **_graph_stats(graph_times, "_at_realtime_cadence"),
             **_energy_stats(window, len(times) + len(resets), "_at_realtime_cadence", clock=False)}
 
 
@@ -408,10 +423,10 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                                                                   cuda_graph=True, attention_options=options)
         session = serving() if fast else EngineSession(model, cache="reference")
         session.start(ref_latent)
-        window = EnergyWindow(meter)
-        times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast, energy=window)
-        out = {**_step_stats(times, resets), "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-               **_energy_stats(window, len(times) + len(resets))}
+        window, graph_times = EnergyWindow(meter), []
+        times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast, energy=window, graph_times=graph_times)
+        out = {**_step_stats(times, resets), **_graph_stats(graph_times),
+               "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9, **_energy_stats(window, len(times) + len(resets))}
         if fast:  # the same session with its steps started at the real-time cadence
             out.update(_paced_step_stats(session, audio, steps, device, meter))
 

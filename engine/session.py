@@ -209,6 +209,9 @@ class EngineSession:
         """
         if self._graph is None:
             self._noise, self._audio = noise.clone(), audio.clone()
+            # timing marks: when the inputs are in, and (recorded inside the graph) when it starts and ends
+            self._inputs_in = torch.cuda.Event(enable_timing=True)
+            self._graph_marks = tuple(torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -217,9 +220,22 @@ class EngineSession:
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
+                self._graph_marks[0].record()
                 self._out = self._denoise(self._noise, self._audio)
+                self._graph_marks[1].record()
             log.info("captured the step's %d passes in a CUDA graph", self.spec.passes)
         self._noise.copy_(noise)
         self._audio.copy_(audio)
+        self._inputs_in.record()
         self._graph.replay()
         return self._out.clone()
+
+    def last_graph_times(self) -> dict[str, float] | None:
+        """The last step's graph on the GPU's clock, ms: `launch_lag_ms` from its inputs being copied in to its first
+        work, `graph_ms` from there to its end; None before a graph step. Waits for that step to finish: call it
+        between steps, not inside a loop that must not synchronise."""
+        if self._graph is None:
+            return None
+        self._graph_marks[1].synchronize()
+        start, end = self._graph_marks
+        return {"launch_lag_ms": self._inputs_in.elapsed_time(start), "graph_ms": start.elapsed_time(end)}

@@ -163,3 +163,30 @@ def test_the_paced_step_timing_starts_steps_one_real_time_period_apart(monkeypat
     after = starts[2:]
     assert after[0] - starts[1] >= 2.5 * period and len(after) >= 4
     assert all(t - after[0] >= i * period - 5e-3 for i, t in enumerate(after))
+
+
+def test_step_timing_collects_each_steady_steps_graph_times(monkeypatch):
+    """engine.bench step reports the graph's own GPU time beside the wall time: each steady step's marks, reset
+    steps apart, as medians; a session without a graph step reports none."""
+    import torch
+
+    from engine import bench
+    from engine.session import EngineSession
+    from tests.helpers import reference_latent, tiny_model
+
+    model = tiny_model()
+    session = EngineSession(model, seed=0, reset_every=3)
+    session.start(reference_latent(model.spec))
+    audio = torch.zeros(model.spec.frames_per_latent, model.spec.n_mels)
+    assert session.last_graph_times() is None  # eager: no graph to time
+    graph_times: list[dict] = []
+    bench._timed_steps(session, audio, 2, 1, torch.device("cpu"), resets=True, graph_times=graph_times)
+    assert graph_times == [] and bench._graph_stats(graph_times) == {}
+
+    marks = iter([{"graph_ms": 10.0 + i, "launch_lag_ms": 0.01 * i} for i in range(100)])
+    monkeypatch.setattr(session, "last_graph_times", lambda: next(marks))
+    times, resets = bench._timed_steps(session, audio, 5, 0, torch.device("cpu"), resets=True, graph_times=graph_times)
+    assert len(graph_times) == len(times) == 5 and len(resets) >= 1  # a reset step's are not collected
+    assert bench._graph_stats([{"graph_ms": 3.0, "launch_lag_ms": 0.2}, {"graph_ms": 1.0, "launch_lag_ms": 0.1},
+                               {"graph_ms": 2.0, "launch_lag_ms": 0.3}], "_x") == {"step_graph_ms_x": 2.0,
+                                                                                  "graph_launch_lag_ms_x": 0.2}

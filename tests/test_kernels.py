@@ -367,6 +367,32 @@ def test_cuda_graph_replay_equals_eager_steps():
 
 
 @pytest.mark.gpu
+def test_the_graph_times_itself_from_inside():
+    """The marks recorded inside the step's graph: it starts within a millisecond of its inputs being copied in,
+    and its own GPU time lies within the step's wall time."""
+    import time
+
+    from engine.session import EngineSession
+    from tests.helpers import reference_latent
+
+    model = _model()
+    session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
+    session.start(reference_latent(model.spec).to(DEVICE, torch.bfloat16))
+    audio = torch.zeros(model.spec.frames_per_latent, model.spec.n_mels, device=DEVICE)
+    assert session.last_graph_times() is None
+    for _ in range(3):
+        session.push_audio_features(audio)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        session.step()
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+        marks = session.last_graph_times()
+        assert 0 <= marks["launch_lag_ms"] < 1.0
+        assert 0 < marks["graph_ms"] <= wall_ms
+
+
+@pytest.mark.gpu
 def test_cuda_graph_replay_equals_eager_steps_with_fp8_linears_and_branch_streams():
     """The serving configuration: fused FP8 blocks with the MLP branch on a side stream, captured in the step's graph."""
     from engine.kernels.fp8_linear import quantize_linears_
