@@ -12,7 +12,10 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   The source waits for P·V after the softmax of block i+1, but ptxas moves that wait to the softmax's
   start, so in the compiled kernel P·V overlaps the q·kᵀ wait, not the softmax (it does so with the
   masking branch, the barrier arrives or the rescale taken out too). Carrying P·V in flight
-  across the loop's back edge was no faster on an H200, and in some forms ptxas then waits after every product;
+  across the loop's back edge was no faster on an H200, and in some forms ptxas then waits after every product.
+  So was FlashAttention-3's in-warpgroup order (q·kᵀ of block i+1 issued before block i's softmax, two score
+  tiles live): waiting for P·V with q·kᵀ still in flight makes ptxas serialise every product (its C7514 note),
+  and waiting for both lets it hoist the wait to the softmax's start again, with spills at 232 registers;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
   own that share every K/V tile (half the tile traffic, more registers each; it measured no faster),
