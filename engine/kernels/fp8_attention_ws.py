@@ -15,7 +15,9 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   across the loop's back edge was no faster on an H200, and in some forms ptxas then waits after every product.
   So was FlashAttention-3's in-warpgroup order (q·kᵀ of block i+1 issued before block i's softmax, two score
   tiles live): waiting for P·V with q·kᵀ still in flight makes ptxas serialise every product (its C7514 note),
-  and waiting for both lets it hoist the wait to the softmax's start again, with spills at 232 registers;
+  and waiting for both lets it hoist the wait to the softmax's start again, with spills at 232 registers.
+  Starting the exponentials from the blocks before's reference, beside the row maxima, and redoing them when
+  a row's max passes it (a warpgroup-wide vote each block, the rescale skipped otherwise) was much slower;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
   own that share every K/V tile (half the tile traffic, more registers each; it measured no faster),
