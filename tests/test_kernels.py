@@ -368,8 +368,8 @@ def test_cuda_graph_replay_equals_eager_steps():
 
 @pytest.mark.gpu
 def test_the_graph_times_itself_from_inside():
-    """The marks recorded inside the step's graph: it starts within a millisecond of its inputs being copied in,
-    and its own GPU time lies within the step's wall time."""
+    """The marks recorded inside the step's graph: once captured and uploaded (the first step), it starts within a
+    millisecond of its inputs being copied in, and its own GPU time lies within the step's wall time."""
     import time
 
     from engine.session import EngineSession
@@ -380,7 +380,7 @@ def test_the_graph_times_itself_from_inside():
     session.start(reference_latent(model.spec).to(DEVICE, torch.bfloat16))
     audio = torch.zeros(model.spec.frames_per_latent, model.spec.n_mels, device=DEVICE)
     assert session.last_graph_times() is None
-    for _ in range(3):
+    for step in range(3):
         session.push_audio_features(audio)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -388,7 +388,7 @@ def test_the_graph_times_itself_from_inside():
         torch.cuda.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - t0)
         marks = session.last_graph_times()
-        assert 0 <= marks["launch_lag_ms"] < 1.0
+        assert 0 <= marks["launch_lag_ms"] < (wall_ms if step == 0 else 1.0)
         assert 0 < marks["graph_ms"] <= wall_ms
 
 
