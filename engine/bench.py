@@ -299,8 +299,7 @@ def _session_steps(session, steps: int, device: torch.device, graph_times: list[
         session.step()
         _sync(device)
         out.append(1000 * (time.perf_counter() - t0))
-        marks = session.last_graph_times() if graph_times is not None and hasattr(session, "last_graph_times") else None
-        if marks is not None:
+        if graph_times is not None and (marks := session.last_graph_times()) is not None:
             graph_times.append(marks)
     return out
 

@@ -396,11 +396,12 @@ def step_timeline(t: dict | None, step: dict | None = None) -> list[str]:
             f"{t['median_idle_ms']:.1f} ms (medians). The kernels' durations add up to {t['median_kernel_ms']:.1f} ms: the two "
             "streams run kernels at once, and a kernel's duration includes its wait for SMs the other stream holds.")
     if first:
+        after_copy = first["after"].startswith("Memcpy")  # the step's inputs are copied in just before its graph
         line += (f" The widest idle gap of the last step, {first['us'] / 1e3:.1f} ms, lies between `{first['after']}` and "
                  f"`{first['before']}`" + (" (the step's inputs are copied in just before its graph is replayed)"
-                                           if first["after"].startswith("Memcpy") else "") + ".")
+                                           if after_copy else "") + ".")
         lag = ((step or {}).get("serving") or {}).get("graph_launch_lag_ms")
-        if first["after"].startswith("Memcpy") and lag is not None:
+        if after_copy and lag is not None:
             line += (f" Without the profiler the graph starts {1e3 * lag:.0f} us after that copy (the step benchmark's "
                      "`graph_launch_lag_ms`, marks recorded inside the graph): the profiler's own cost.")
     return [line, ""]
