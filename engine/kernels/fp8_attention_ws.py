@@ -22,6 +22,8 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
   own that share every K/V tile (half the tile traffic, more registers each; it measured no faster),
   optionally issuing their products in turns (`pingpong`, FlashAttention-3's schedule; no faster here either).
+  Without the producer (the consumer warpgroup issuing its own loads, refilling a stage once its products
+  are done, so that a program is 4 warps and three fit an SM) it was much slower, three programs an SM or two.
 
 Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py.
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and

@@ -145,7 +145,7 @@ def rope_store(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos_idx:
     assert src.is_contiguous() and dst.is_contiguous()
     grid = (triton.cdiv(N, block_t), R)
     _rope_store_kernel[grid](src, cos, sin, pos_idx, dst, scale, N, dst.shape[1], D=D, BLOCK_T=block_t, EXACT=interpreting(),
-                                 **FP_FUSION)
+                             **FP_FUSION)
 
 
 @triton.jit
