@@ -11,18 +11,15 @@ live slots are a prefix (cuDNN masks by sequence length, not per slot).
 """
 import json
 import math
-import statistics
 from importlib.metadata import version
 
 import torch
 
-from engine import fp8
-from engine.bench import event_ms, graph_call_ms, rms_heads
-from engine.kernels.fp8_attention import attention_reference, qk_scale
+from attention_probe_common import D, H, LIVE, M, S, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns
+from engine.kernels.fp8_attention import qk_scale
 from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
 
 dev = torch.device("cuda")
-H, M, S, D, LIVE = 20, 757, 5824, 128, 5785
 O_SCALE = 32.0  # cuDNN writes O in e4m3 on Hopper: |o| <= max |v| ~ 4 here, so 32 keeps it well inside 448
 REPEATS = 5
 
@@ -31,21 +28,10 @@ def main() -> dict:
     import cudnn
 
     result = {"torch": torch.__version__, "cudnn": cudnn.backend_version(), "cudnn_frontend": version("nvidia-cudnn-frontend"),
-              "device": torch.cuda.get_device_name(), "shape": {"heads": H, "queries": M, "slots": S, "live": LIVE, "head_dim": D}}
-    g = torch.Generator(device=dev).manual_seed(0)
-    rms = lambda *shape: rms_heads(g, *shape)
-    sc = fp8.per_head_scale(torch.ones(H, D, device=dev))  # equal for every head
-    q8, k8, v8 = fp8.quantize(rms(H, M, D), sc), fp8.quantize(rms(H, S, D), sc), fp8.quantize(rms(H, S, D), sc)
-    vt8 = v8.transpose(1, 2).contiguous()
-    valid = torch.zeros(S, dtype=torch.int8, device=dev)
-    valid[:LIVE] = 1
-    ref = attention_reference(q8, k8, vt8, valid, sc, sc, sc)  # (M, H*D) float32
-    rel_err = lambda got: ((got.float() - ref).norm() / ref.norm()).item()
+              "device": torch.cuda.get_device_name(), "shape": SHAPE}
+    q8, k8, v8, vt8, valid, sc, rel_err = probe_inputs(dev)
 
-    runs = {}
-    qb, kb, vb = (x.float().mul(sc[0]).bfloat16()[None] for x in (q8, k8[:, :LIVE], v8[:, :LIVE]))
-    runs["sdpa_bf16"] = (lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb),
-                         lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)[0].transpose(0, 1).reshape(M, H * D))
+    runs = {"sdpa_bf16": sdpa_bf16_run(q8, k8, v8, sc)}
     ws = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=64, stages=2)
     ws.mark_live_tiles(valid)
     vt_ws, out = ws.arrange_v(vt8), torch.empty(M, H * D, device=dev, dtype=torch.bfloat16)
@@ -63,28 +49,7 @@ def main() -> dict:
             runs[name] = _cudnn_run(cudnn, handle, q8, k8, vt8 if v_transposed else v8, sc[0].item(), out_type, v_transposed, padded)
         except Exception as e:  # cuDNN declines the configuration on this GPU
             refused[name] = f"{type(e).__name__}: {str(e)[:300]}"
-    # Each timed as a CUDA graph of 20 calls (the GPU's time, not the host's launch cost); one that cannot be
-    # captured is timed launched from Python instead, and says so.
-    timing = {}
-    for name, (fn, _) in runs.items():
-        try:
-            graph_call_ms(fn, dev, 1)
-            timing[name] = "CUDA graph of 20 calls"
-        except Exception as e:
-            timing[name] = f"launched from Python, 20 calls between events (capture failed: {type(e).__name__})"
-            torch.cuda.synchronize()
-    times = {name: [] for name in runs}
-    for _ in range(REPEATS):  # in turns, so clocks and temperature drift alike for all
-        for name, (fn, _) in runs.items():
-            ms = graph_call_ms(fn, dev, 3) if timing[name].startswith("CUDA") else event_ms(fn, dev, 20)
-            times[name].append(1000 * ms)
-    for name, (fn, output) in runs.items():
-        fn()
-        result[name] = {"us": statistics.median(times[name]), "us_runs": times[name], "rel_err": rel_err(output()),
-                        "timing": timing[name]}
-    sdpa = result["sdpa_bf16"]["us"]
-    for name in runs:
-        result[name]["speedup_vs_sdpa_bf16"] = sdpa / result[name]["us"]
+    result.update(time_in_turns(runs, dev, REPEATS, rel_err))
     result["refused"] = refused
     return result
 

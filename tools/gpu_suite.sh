@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
+#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|attention-fa3|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
 # soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
 # two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1; compare-x2:
 # the tensor-parallel and fused all-reduce paths against the rerun band).
@@ -26,6 +26,17 @@ for part in $parts; do
   fi
   if [[ $part == attention-cudnn ]]; then  # cuDNN's FP8 SDPA beside ours; needs `pip install nvidia-cudnn-frontend`
     run python3 tools/cudnn_attention_probe.py > "$OUT/cudnn_fp8_attention.json" && head -c 600 "$OUT/cudnn_fp8_attention.json"
+  fi
+  if [[ $part == attention-fa3 ]]; then  # FlashAttention-3's FP8 path beside ours; FA3_SRC: a flash-attention checkout
+    # (with csrc/cutlass) or a .tar.xz of one, built here by tools/build_fa3.sh (FA3 has no wheel on PyPI)
+    src=${FA3_SRC:?attention-fa3 needs FA3_SRC}
+    if [[ -f $src ]]; then rm -rf /tmp/fa3_src && mkdir -p /tmp/fa3_src && tar -xJf "$src" -C /tmp/fa3_src && src=/tmp/fa3_src; fi
+    if run bash tools/build_fa3.sh "$src" > "$OUT/fa3_build.log" 2>&1; then
+      PYTHONPATH="$src/hopper:$PYTHONPATH" run python3 tools/fa3_attention_probe.py > "$OUT/fa3_fp8_attention.json" \
+        && head -c 600 "$OUT/fa3_fp8_attention.json"
+    else
+      tail -20 "$OUT/fa3_build.log"
+    fi
   fi
   if [[ $part == step || $part == all ]]; then  # with the GPU's clock and power sampled throughout, and a per-kernel profile
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \

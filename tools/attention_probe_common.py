@@ -1,0 +1,61 @@
+"""What the probes of other libraries' FP8 attention share (tools/cudnn_attention_probe.py,
+tools/fa3_attention_probe.py): the production-shape inputs with exact attention over them, SDPA in bf16 on
+the same values, and the timing of several kernels in turns."""
+import statistics
+
+import torch
+
+from engine import fp8
+from engine.bench import event_ms, graph_call_ms, rms_heads
+from engine.kernels.fp8_attention import attention_reference
+
+H, M, S, D, LIVE = 20, 757, 5824, 128, 5785
+SHAPE = {"heads": H, "queries": M, "slots": S, "live": LIVE, "head_dim": D}
+
+
+def probe_inputs(dev: torch.device) -> tuple:
+    """e4m3 q (H, M, D), K and V (H, S, D), Vᵀ (H, D, S), the validity bytes (the live slots a prefix), the
+    per-head scale (equal for every head) and the relative L2 error of an (M, H*D) output against exact
+    attention over the same e4m3 values."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    sc = fp8.per_head_scale(torch.ones(H, D, device=dev))
+    q8, k8, v8 = (fp8.quantize(rms_heads(g, H, n, D), sc) for n in (M, S, S))
+    vt8 = v8.transpose(1, 2).contiguous()
+    valid = torch.zeros(S, dtype=torch.int8, device=dev)
+    valid[:LIVE] = 1
+    ref = attention_reference(q8, k8, vt8, valid, sc, sc, sc)  # (M, H*D) float32
+    return q8, k8, v8, vt8, valid, sc, lambda got: ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def sdpa_bf16_run(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, sc: torch.Tensor) -> tuple:
+    """(call, output) of torch's SDPA in bf16 on the same values, dequantised, K and V cut to the live slots."""
+    qb, kb, vb = (x.float().mul(sc.view(H, 1, 1)).bfloat16()[None] for x in (q8, k8[:, :LIVE], v8[:, :LIVE]))
+    call = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
+    return call, lambda: call()[0].transpose(0, 1).reshape(M, H * D)
+
+
+def time_in_turns(runs: dict, dev: torch.device, repeats: int, rel_err) -> dict:
+    """{name: (call, output)} -> {name: {us (median), us_runs, rel_err, timing, speedup_vs_sdpa_bf16}}. Each is timed
+    as a CUDA graph of 20 calls (the GPU's time, not the host's launch cost); one that cannot be captured is timed
+    launched from Python instead, and says so. The runs go in turns, so clocks and temperature drift alike for all."""
+    timing = {}
+    for name, (fn, _) in runs.items():
+        try:
+            graph_call_ms(fn, dev, 1)
+            timing[name] = "CUDA graph of 20 calls"
+        except Exception as e:
+            timing[name] = f"launched from Python, 20 calls between events (capture failed: {type(e).__name__})"
+            torch.cuda.synchronize()
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, (fn, _) in runs.items():
+            ms = graph_call_ms(fn, dev, 3) if timing[name].startswith("CUDA") else event_ms(fn, dev, 20)
+            times[name].append(1000 * ms)
+    result = {}
+    for name, (fn, output) in runs.items():
+        fn()
+        result[name] = {"us": statistics.median(times[name]), "us_runs": times[name], "rel_err": rel_err(output()),
+                        "timing": timing[name]}
+    for name in runs:
+        result[name]["speedup_vs_sdpa_bf16"] = result["sdpa_bf16"]["us"] / result[name]["us"]
+    return result

@@ -1,0 +1,60 @@
+"""FlashAttention-3's FP8 forward on this GPU at the production shape, beside SDPA in bf16 and the
+warp-specialised kernel: the same e4m3 q, K, V and per-head scales (FA3 takes one descale per batch and
+head, as the engine keeps them), timed in one process in turns, each as a CUDA graph of 20 calls.
+
+FA3 has no wheel on PyPI; build it from a flash-attention checkout first (tools/build_fa3.sh), then
+
+    PYTHONPATH=flash-attention/hopper python tools/fa3_attention_probe.py   # on a Hopper GPU; prints one JSON object
+
+FA3 masks by sequence length, not per slot: its K and V are the live slots, a prefix here. FA3_SOURCE, when
+set, names the source it was built from in the result.
+"""
+import json
+import os
+
+import torch
+
+from attention_probe_common import D, H, LIVE, M, S, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns
+from engine.kernels.fp8_attention import qk_scale
+from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
+
+dev = torch.device("cuda")
+REPEATS = 5
+
+
+def main() -> dict:
+    from flash_attn_interface import flash_attn_func  # FA3's own package (flash_attn_3._C underneath)
+
+    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "fa3_source": os.environ.get("FA3_SOURCE"),
+              "shape": SHAPE}
+    q8, k8, v8, vt8, valid, sc, rel_err = probe_inputs(dev)
+
+    runs = {"sdpa_bf16": sdpa_bf16_run(q8, k8, v8, sc)}
+    ws = WarpSpecializedFP8Attention(H, M, S, D, dev)  # the served configuration
+    ws.mark_live_tiles(valid)
+    vt_ws, out = ws.arrange_v(vt8), torch.empty(M, H * D, device=dev, dtype=torch.bfloat16)
+    qks = qk_scale(sc, sc, D)
+    runs["ws_fp8"] = (lambda: ws(q8, k8, vt_ws, valid, qks, sc, out), lambda: out)
+
+    descale = sc.view(1, H).float().contiguous()  # (batch, heads)
+    bshd = lambda x: x.transpose(0, 1).unsqueeze(0)  # (H, n, D) -> (1, n, H, D), a view
+    views = [bshd(q8), bshd(k8[:, :LIVE]), bshd(v8[:, :LIVE])]  # strided, straight from the (H, S, D) buffers
+    copies = [x.contiguous() for x in views]
+    for name, (q, k, v), splits in (("fa3_fp8", copies, 1), ("fa3_fp8_cache_views", views, 1),
+                                    ("fa3_fp8_splits_auto", copies, 0)):  # 0: FA3's own choice of KV splits
+        call = lambda q=q, k=k, v=v, n=splits: flash_attn_func(q, k, v, q_descale=descale, k_descale=descale,
+                                                                 v_descale=descale, num_splits=n)
+        runs[name] = (call, lambda call=call: call()[0].reshape(M, H * D))  # (1, M, H, D) bf16
+    with torch.no_grad():
+        result.update(time_in_turns(runs, dev, REPEATS, rel_err))
+    try:
+        from flash_attn_config import CONFIG  # written by FA3's setup.py: what the build left out
+
+        result["fa3_build_flags"] = {k: v for k, v in CONFIG["build_flags"].items() if v}
+    except ImportError:
+        pass
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
