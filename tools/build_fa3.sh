@@ -13,7 +13,9 @@ src=${1:?usage: bash tools/build_fa3.sh FLASH_ATTENTION_CHECKOUT}
 [[ -d $src/csrc/cutlass/include/cute ]] || {
   echo "build_fa3: $src/csrc/cutlass has no headers: clone with --recursive (or: git submodule update --init csrc/cutlass)" >&2; exit 2; }
 command -v nvcc > /dev/null || { echo "build_fa3: nvcc not found (FA3 compiles its CUDA sources: install the CUDA toolkit)" >&2; exit 2; }
-export FLASH_ATTENTION_OFFLINE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-$(nproc)} NVCC_THREADS=${NVCC_THREADS:-4}
+# One compile job per core and per 8 GB of memory (each FA3 source takes several GB to compile); MAX_JOBS overrides.
+jobs=$(awk -v cores="$(nproc)" '/MemTotal/ {j = int($2 / 8388608); if (j > cores) j = cores; if (j < 1) j = 1; print j}' /proc/meminfo)
+export FLASH_ATTENTION_OFFLINE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-$jobs} NVCC_THREADS=${NVCC_THREADS:-4}
 for feature in BACKWARD PAGEDKV APPENDKV LOCAL SOFTCAP FP16 VARLEN HDIM64 HDIM96 HDIM192 HDIM256 SM80 HDIMDIFF64 HDIMDIFF192; do
   export FLASH_ATTENTION_DISABLE_$feature=TRUE
 done
