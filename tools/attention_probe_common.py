@@ -5,8 +5,7 @@ import statistics
 
 import torch
 
-from engine import fp8
-from engine.bench import event_ms, graph_call_ms, rms_heads
+from engine.bench import attention_inputs, event_ms, graph_call_ms
 from engine.kernels.fp8_attention import attention_reference
 
 H, M, S, D, LIVE = 20, 757, 5824, 128, 5785
@@ -17,10 +16,8 @@ def probe_inputs(dev: torch.device) -> tuple:
     """e4m3 q (H, M, D), K and V (H, S, D), Vᵀ (H, D, S), the validity bytes (the live slots a prefix), the
     per-head scale (equal for every head) and the relative L2 error of an (M, H*D) output against exact
     attention over the same e4m3 values."""
-    g = torch.Generator(device=dev).manual_seed(0)
-    sc = fp8.per_head_scale(torch.ones(H, D, device=dev))
-    q8, k8, v8 = (fp8.quantize(rms_heads(g, H, n, D), sc) for n in (M, S, S))
-    vt8 = v8.transpose(1, 2).contiguous()
+    _, (q8, k8, vt8), sc = attention_inputs(H, M, S, D, dev, seed=0)
+    v8 = vt8.transpose(1, 2).contiguous()
     valid = torch.zeros(S, dtype=torch.int8, device=dev)
     valid[:LIVE] = 1
     ref = attention_reference(q8, k8, vt8, valid, sc, sc, sc)  # (M, H*D) float32
