@@ -13,11 +13,11 @@ def probe_result(fa3_us: float) -> dict:
     return {"torch": "2.11.0", "fa3_source": "flash-attention abc", "shape": {"heads": 20, "queries": 757, "slots": 5824,
                                                                             "live": 5785, "head_dim": 128},
             "sdpa_bf16": row(80.0), "ws_fp8": row(60.0), "fa3_fp8": row(fa3_us), "fa3_fp8_cache_views": row(fa3_us + 1),
-            "fa3_fp8_splits_auto": row(fa3_us + 2)}
+            "fa3_fp8_splits_auto": row(fa3_us + 2), "fa3_fp8_kvcache": row(fa3_us + 3), "calls_per_step": 240}
 
 
-STEP = {"serving": {"step_ms": 105.0, "reset_step_ms": 104.0, "reset_rotation_ms": 0.4, "cache_upkeep_ms": 2.5,
-                    "peak_memory_gb": 19.4}}
+STEP = {"serving": {"step_ms": 105.0, "step_ms_p90": 107.0, "reset_step_ms": 104.0, "reset_rotation_ms": 0.4,
+                    "cache_upkeep_ms": 2.5, "peak_memory_gb": 19.4, "step_ms_with_attention_out_bf16": 105.5}}
 ATTENTION = {"speedup": 1.4}
 
 
@@ -25,7 +25,7 @@ def test_the_table_lists_every_kernel_and_compares_the_fastest_fa3_run_with_ours
     text = "\n".join(fa3_attention(probe_result(50.0)))
     assert "| SDPA, bf16 | 80.0 | 1.00x | 0.0250 |" in text
     assert "| warp-specialised FP8 (ours, as served) | 60.0 | 1.33x |" in text
-    assert text.count("| FlashAttention-3 FP8") == 3
+    assert text.count("| FlashAttention-3 FP8") == 4
     assert "FlashAttention-3 is 1.20x as fast as the engine's kernel here" in text  # 60 / 50: its fastest run
     assert "flash-attention abc" in text
     assert fa3_attention(None) == []
@@ -37,3 +37,13 @@ def test_the_targets_say_the_bound_is_beyond_fa3_only_when_it_is():
     above = "\n".join(fast_path_targets(STEP, ATTENTION, fa3=probe_result(45.0)))  # 80 / 45 = 1.78x
     assert "reaches 1.78x" in above and "bound is beyond" not in above
     assert "FlashAttention-3" not in "\n".join(fast_path_targets(STEP, ATTENTION))
+
+
+def test_the_step_saving_is_the_per_call_gain_over_the_steps_calls_less_the_bf16_outputs_cost():
+    text = "\n".join(fa3_attention(probe_result(50.0), STEP))  # the engine-style call: 53 us against 60
+    assert "it takes 53.0 us against 60.0: 7.0 us a call, 1.68 ms over the step's 240 attention calls" in text
+    assert "puts that difference at 0.50 ms a step" in text
+    assert "So FA3 would save about 1.18 ms of a 105.0 ms step (whose p90 lies 2.0 ms above its median)" in text
+    slow = "\n".join(fa3_attention(probe_result(58.0), STEP))  # 61 us: slower than ours per call
+    assert "So FA3 would add about 0.74 ms to a 105.0 ms step" in slow
+    assert "Called as the engine" not in "\n".join(fa3_attention(probe_result(50.0)))  # no step result: no estimate

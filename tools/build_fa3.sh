@@ -5,8 +5,8 @@
 #   git clone --recursive https://github.com/Dao-AILab/flash-attention
 #   bash tools/build_fa3.sh flash-attention            # about 2 minutes on 16 cores
 #   PYTHONPATH=flash-attention/hopper python tools/fa3_attention_probe.py
-# Left out: the other head sizes, fp16, the backward pass, paged and appended KV, variable lengths, local and
-# soft-capped attention, Ampere. Kept: KV splits, clusters, packed GQA (FA3 picks among them at run time).
+# Left out: the other head sizes, fp16, the backward pass, paged and appended KV, local and soft-capped attention,
+# Ampere. Kept: variable lengths (`cache_seqlens`, the probe's last run), KV splits, clusters, packed GQA.
 set -euo pipefail
 src=${1:?usage: bash tools/build_fa3.sh FLASH_ATTENTION_CHECKOUT}
 [[ -f $src/hopper/setup.py ]] || { echo "build_fa3: $src/hopper/setup.py not found: not a flash-attention checkout" >&2; exit 2; }
@@ -16,7 +16,7 @@ command -v nvcc > /dev/null || { echo "build_fa3: nvcc not found (FA3 compiles i
 # One compile job per core and per 8 GB of memory (each FA3 source takes several GB to compile); MAX_JOBS overrides.
 jobs=$(awk -v cores="$(nproc)" '/MemTotal/ {j = int($2 / 8388608); if (j > cores) j = cores; if (j < 1) j = 1; print j}' /proc/meminfo)
 export FLASH_ATTENTION_OFFLINE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-$jobs} NVCC_THREADS=${NVCC_THREADS:-4}
-for feature in BACKWARD PAGEDKV APPENDKV LOCAL SOFTCAP FP16 VARLEN HDIM64 HDIM96 HDIM192 HDIM256 SM80 HDIMDIFF64 HDIMDIFF192; do
+for feature in BACKWARD PAGEDKV APPENDKV LOCAL SOFTCAP FP16 HDIM64 HDIM96 HDIM192 HDIM256 SM80 HDIMDIFF64 HDIMDIFF192; do
   export FLASH_ATTENTION_DISABLE_$feature=TRUE
 done
 cd "$src/hopper"

@@ -6,15 +6,19 @@ FA3 has no wheel on PyPI; build it from a flash-attention checkout first (tools/
 
     PYTHONPATH=flash-attention/hopper python tools/fa3_attention_probe.py   # on a Hopper GPU; prints one JSON object
 
-FA3 masks by sequence length, not per slot: its K and V are the live slots, a prefix here. FA3_SOURCE, when
-set, names the source it was built from in the result.
+FA3 masks by sequence length, not per slot: its K and V are the live slots, a prefix here. The last run calls it
+as the engine would have to: K and V views of every slot, the live count in `cache_seqlens` (FA3's variable-length
+build), so the shapes stay fixed while the window fills. FA3_SOURCE, when set, names the source it was built from
+in the result; `calls_per_step` is how many attention calls the 57b step makes (blocks x passes).
 """
 import json
 import os
 
 import torch
+import triton
 
 from attention_probe_common import D, H, LIVE, M, S, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns
+from engine.config import get_spec
 from engine.kernels.fp8_attention import qk_scale
 from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
 
@@ -23,10 +27,11 @@ REPEATS = 5
 
 
 def main() -> dict:
-    from flash_attn_interface import flash_attn_func  # FA3's own package (flash_attn_3._C underneath)
+    from flash_attn_interface import flash_attn_func, flash_attn_with_kvcache  # FA3's own package (flash_attn_3._C underneath)
 
-    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "fa3_source": os.environ.get("FA3_SOURCE"),
-              "shape": SHAPE}
+    spec = get_spec("characters-57b")
+    result = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
+              "fa3_source": os.environ.get("FA3_SOURCE"), "shape": SHAPE, "calls_per_step": spec.n_blocks * spec.passes}
     q8, k8, v8, vt8, valid, sc, rel_err = probe_inputs(dev)
 
     runs = {"sdpa_bf16": sdpa_bf16_run(q8, k8, v8, sc)}
@@ -45,6 +50,10 @@ def main() -> dict:
         call = lambda q=q, k=k, v=v, n=splits: flash_attn_func(q, k, v, q_descale=descale, k_descale=descale,
                                                                  v_descale=descale, num_splits=n)
         runs[name] = (call, lambda call=call: call()[0].reshape(M, H * D))  # (1, M, H, D) bf16
+    live = torch.full((1,), LIVE, dtype=torch.int32, device=dev)
+    cached = lambda: flash_attn_with_kvcache(bshd(q8), bshd(k8), bshd(v8), cache_seqlens=live, q_descale=descale,
+                                             k_descale=descale, v_descale=descale, num_splits=1)
+    runs["fa3_fp8_kvcache"] = (cached, lambda: cached()[0].reshape(M, H * D))
     with torch.no_grad():
         result.update(time_in_turns(runs, dev, REPEATS, rel_err))
     try:
