@@ -514,12 +514,16 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         session = model = cache = None  # let the GPU memory go before the next configuration
         return out
 
-    result["serving"] = run_config(True)
-    # Process-wide and read once by torch, so the baseline's bf16 GEMMs run with it too.
-    from engine.kernels.fp8_linear import GEMM_WORKSPACE_ENV
+    try:
+        result["serving"] = run_config(True)
+        # Process-wide and read once by torch, so the baseline's bf16 GEMMs run with it too.
+        from engine.kernels.fp8_linear import GEMM_WORKSPACE_ENV
 
-    result["cublaslt_workspace_kib"] = os.environ.get(GEMM_WORKSPACE_ENV, "torch's default")
-    result["baseline"] = run_config(False)
+        result["cublaslt_workspace_kib"] = os.environ.get(GEMM_WORKSPACE_ENV, "torch's default")
+        result["baseline"] = run_config(False)
+    finally:
+        if meter is not None:
+            meter.close()
     result["speedup"] = result["baseline"]["step_ms"] / result["serving"]["step_ms"]
     result["ratios"] = {k: result["baseline"][k] / result["serving"][k]
                         for k in ("gemm_ms", "attention_ms", "cache_upkeep_ms") if result["serving"][k] > 0}
@@ -707,11 +711,15 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     # Energy per call, each run back to back for seconds: in the served step the GPU sits at its power limit,
     # where a call's energy, more than its time alone, sets what it costs the step
     meter = EnergyMeter.open(device)
-    energy = {"sdpa_bf16": sustained_energy(sdpa_call, device, meter),
-              "fp8_best_e4m3_out": sustained_energy(served_call, device, meter)}
-    if meter is not None:
-        energy["power_limit_w"] = meter.power_limit_w()
-        energy["sdpa_over_fp8_joules"] = energy["sdpa_bf16"]["joules_per_call"] / energy["fp8_best_e4m3_out"]["joules_per_call"]
+    try:
+        energy = {"sdpa_bf16": sustained_energy(sdpa_call, device, meter),
+                  "fp8_best_e4m3_out": sustained_energy(served_call, device, meter)}
+        if meter is not None:
+            energy["power_limit_w"] = meter.power_limit_w()
+            energy["sdpa_over_fp8_joules"] = energy["sdpa_bf16"]["joules_per_call"] / energy["fp8_best_e4m3_out"]["joules_per_call"]
+    finally:
+        if meter is not None:
+            meter.close()
     return {"bench": "attention", "date": time.strftime("%Y-%m-%d"), "spec": spec_name, "tp_shard": tp,
             "timing": f"per call, from CUDA graphs of 20 calls; median of {repeats} replays",
             "shape": {"heads": H, "queries": M, "slots": S, "live_slots": n_live, "head_dim": D},

@@ -8,6 +8,8 @@ SM clock until the board draws no more than the limit, and time per step follows
     with EnergyWindow(meter) as window:
         run_steps()
     window.result(steps)  # {"joules_per_step", "watts", "sm_clock_mhz", "seconds"}
+    if meter:
+        meter.close()                         # NVML counts its users: each open meter is one
 
 NVML's energy counter (millijoules since the driver loaded) exists on Volta and later data-centre GPUs.
 """
@@ -47,20 +49,36 @@ class EnergyMeter:
             log.info("no GPU energy figures: NVML (%s) did not load: %s", library, e)
             return None
         uuid = torch.cuda.get_device_properties(device).uuid
+        if (rc := nvml.nvmlInit_v2()) != _NVML_SUCCESS:
+            log.info("no GPU energy figures: nvmlInit_v2 returned NVML error %d", rc)
+            return None
         handle = ctypes.c_void_p()
-        for call, args in (("nvmlInit_v2", ()), ("nvmlDeviceGetHandleByUUID", (f"GPU-{uuid}".encode(), ctypes.byref(handle)))):
-            if (rc := getattr(nvml, call)(*args)) != _NVML_SUCCESS:
-                log.info("no GPU energy figures: %s returned NVML error %d", call, rc)
-                return None
         meter = cls(nvml, handle)
         try:
+            if (rc := nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode(), ctypes.byref(handle))) != _NVML_SUCCESS:
+                raise RuntimeError(f"nvmlDeviceGetHandleByUUID returned NVML error {rc}")
             meter.millijoules()
         except RuntimeError as e:
             log.info("no GPU energy figures: %s", e)
+            meter.close()
             return None
         return meter
 
+    def close(self) -> None:
+        """Let NVML go (nvmlInit_v2 and nvmlShutdown count its users; this meter is one). Closing twice is harmless."""
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+
+    def __enter__(self) -> EnergyMeter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _query(self, call: str, out, *args) -> None:
+        if self._nvml is None:
+            raise RuntimeError(f"{call}: the energy meter is closed")
         if (rc := getattr(self._nvml, call)(self._handle, *args, ctypes.byref(out))) != _NVML_SUCCESS:
             raise RuntimeError(f"{call} returned NVML error {rc}")
 

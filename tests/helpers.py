@@ -20,6 +20,15 @@ def reference_latent(spec=TINY, seed: int = 3) -> torch.Tensor:
     return torch.randn(spec.latent_channels, *spec.latent_grid, generator=torch.Generator().manual_seed(seed))
 
 
+def started_tiny_session(**session_kwargs) -> tuple[EngineSession, torch.Tensor]:
+    """A started session of the tiny model (seed 0) and one step's silent audio features, for the benchmark's
+    timing helpers to drive."""
+    model = tiny_model()
+    session = EngineSession(model, seed=0, **session_kwargs)
+    session.start(reference_latent(model.spec))
+    return session, torch.zeros(model.spec.frames_per_latent, model.spec.n_mels)
+
+
 def run_session(model, steps: int, *, audio_seed: int = 7, seed: int = 5, **session_kwargs) -> torch.Tensor:
     """Latents (steps, C, h, w) of a session fed random audio features, one step's worth at a time."""
     spec = model.spec

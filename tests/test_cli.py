@@ -123,12 +123,9 @@ def test_the_paced_step_timing_starts_steps_one_real_time_period_apart(monkeypat
     import torch
 
     from engine import bench
-    from engine.session import EngineSession
-    from tests.helpers import reference_latent, tiny_model
+    from tests.helpers import started_tiny_session
 
-    model = tiny_model()
-    session = EngineSession(model, seed=0)
-    session.start(reference_latent(model.spec))
+    session, audio = started_tiny_session()
     starts = []
 
     def step():  # the schedule is under test, not the model: a step that takes a millisecond on any machine
@@ -140,9 +137,8 @@ def test_the_paced_step_timing_starts_steps_one_real_time_period_apart(monkeypat
         return step()
 
     monkeypatch.setattr(session, "step", recorded_step)
-    audio = torch.zeros(model.spec.frames_per_latent, model.spec.n_mels)
     out = bench._paced_step_stats(session, audio, 6, torch.device("cpu"))
-    period = model.spec.step_seconds
+    period = session.spec.step_seconds
     assert out["realtime_cadence_ms"] == pytest.approx(1000 * period)
     assert 0 < out["step_ms_at_realtime_cadence"] < 1000 * period  # the tiny model's step takes far less than a period
     assert out["realtime_cadence_missed"] == 0
@@ -175,13 +171,9 @@ def test_step_timing_collects_each_steady_steps_graph_times(monkeypatch):
     import torch
 
     from engine import bench
-    from engine.session import EngineSession
-    from tests.helpers import reference_latent, tiny_model
+    from tests.helpers import started_tiny_session
 
-    model = tiny_model()
-    session = EngineSession(model, seed=0, reset_every=3)
-    session.start(reference_latent(model.spec))
-    audio = torch.zeros(model.spec.frames_per_latent, model.spec.n_mels)
+    session, audio = started_tiny_session(reset_every=3)
     assert session.last_graph_times() is None  # eager: no graph to time
     graph_times: list[dict] = []
     bench._timed_steps(session, audio, 2, 1, torch.device("cpu"), resets=True, graph_times=graph_times)

@@ -66,13 +66,9 @@ def test_the_step_benchmark_names_its_energy_figures():
 
 def test_the_window_holds_the_timed_steps_and_not_the_warm_up():
     """`_timed_steps` enters the energy window after its warm-up steps and leaves it after the last timed one."""
-    from engine.session import EngineSession
-    from tests.helpers import reference_latent, tiny_model
+    from tests.helpers import started_tiny_session
 
-    model = tiny_model()
-    session = EngineSession(model, seed=0)
-    session.start(reference_latent(model.spec))
-    audio = torch.zeros(model.spec.frames_per_latent, model.spec.n_mels)
+    session, audio = started_tiny_session()
     seen = []
 
     class Recording(EnergyWindow):
@@ -100,12 +96,13 @@ def test_no_meter_on_the_cpu_or_without_nvml(caplog):
 
 
 @pytest.fixture
-def gpu_meter() -> EnergyMeter:
-    """GPU 0's meter; the test skips where that GPU's NVML has no energy counter."""
+def gpu_meter():
+    """GPU 0's meter, closed after the test; the test skips where that GPU's NVML has no energy counter."""
     meter = EnergyMeter.open(torch.device("cuda", 0))
     if meter is None:
         pytest.skip("this GPU's NVML has no energy counter (Volta and later data-centre GPUs have one)")
-    return meter
+    with meter:
+        yield meter
 
 
 @pytest.mark.gpu
@@ -143,3 +140,69 @@ def test_sustained_energy_counts_every_call_in_its_window(gpu_meter):
     assert len(calls) == 20  # the warm-up call and the capture, each of 10 calls
     assert r["joules_per_call"] > 0 and 50 < r["watts"] < 2000
     assert 0.5 * 1000 * one < r["us_per_call"] < 5 * 1000 * one  # host gaps between replays add a little
+
+
+class _FakeNvml:
+    """NVML's entry points as EnergyMeter.open calls them, each answering `codes[name]` (0: success); counts the
+    callers that nvmlInit_v2 and nvmlShutdown keep."""
+
+    def __init__(self, **codes: int):
+        self.codes, self.users = codes, 0
+
+    def nvmlInit_v2(self) -> int:
+        rc = self.codes.get("nvmlInit_v2", 0)
+        self.users += rc == 0
+        return rc
+
+    def nvmlShutdown(self) -> int:
+        self.users -= 1
+        return 0
+
+    def __getattr__(self, name: str):
+        if not name.startswith("nvmlDevice"):
+            raise AttributeError(name)
+        return lambda *args: self.codes.get(name, 0)
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    """EnergyMeter.open on a fake CUDA device, with the fake NVML that `make(**codes)` returns loaded."""
+    import types
+
+    from engine import gpu_energy
+
+    monkeypatch.setattr(gpu_energy.torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="0"))
+
+    def make(**codes: int) -> _FakeNvml:
+        nvml = _FakeNvml(**codes)
+        monkeypatch.setattr(gpu_energy.ctypes, "CDLL", lambda library: nvml)
+        return nvml
+    return make
+
+
+def test_an_open_meter_holds_nvml_until_it_is_closed(fake_nvml):
+    nvml = fake_nvml()
+    meter = EnergyMeter.open(torch.device("cuda", 0))
+    assert meter is not None and nvml.users == 1
+    with meter:
+        meter.millijoules()
+    assert nvml.users == 0
+    meter.close()  # twice: nothing more to release
+    assert nvml.users == 0
+    with pytest.raises(RuntimeError, match="the energy meter is closed"):
+        meter.millijoules()
+
+
+@pytest.mark.parametrize("failing", ["nvmlDeviceGetHandleByUUID", "nvmlDeviceGetTotalEnergyConsumption"])
+def test_a_gpu_that_gives_no_energy_figures_leaves_nvml_as_it_found_it(fake_nvml, failing, caplog):
+    nvml = fake_nvml(**{failing: 3})  # NVML_ERROR_NOT_SUPPORTED
+    with caplog.at_level(logging.INFO, logger="talkloop.bench"):
+        assert EnergyMeter.open(torch.device("cuda", 0)) is None
+    assert nvml.users == 0
+    assert f"{failing} returned NVML error 3" in caplog.text
+
+
+def test_an_nvml_that_does_not_start_is_not_shut_down(fake_nvml):
+    nvml = fake_nvml(nvmlInit_v2=9)
+    assert EnergyMeter.open(torch.device("cuda", 0)) is None
+    assert nvml.users == 0
