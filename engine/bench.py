@@ -907,6 +907,22 @@ def bench_pipeline(spec_name: str, placement, steps: int, in_flight: int = 2) ->
             "fps": 1000 * spec.frames_per_latent / period, "torch": torch.__version__}
 
 
+def attention_options_arg(text: str) -> dict:
+    """--attention-options: a JSON object whose "kernel", when given, is one of ATTENTION_KERNELS; checked when the
+    command line is read, not after minutes of building the model."""
+    from engine.kernels import ATTENTION_KERNELS
+
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. '{{\"kernel\": \"ws\"}}', got {text!r}")
+    if options.get("kernel", "auto") not in ATTENTION_KERNELS:
+        raise argparse.ArgumentTypeError(f"kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {options['kernel']!r}")
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench", description="talkloop engine benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
@@ -931,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--mlp-in-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
                          "Hopper; the other is timed too)")
-    st.add_argument("--attention-options", default="{}", help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max")
+    st.add_argument("--attention-options", default={}, type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")
@@ -959,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.bench == "step" and args.world > 1:
             result = bench_step_group(args.spec, args.world, args.steps, args.warmup)
         elif args.bench == "step":
-            result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, json.loads(args.attention_options),
+            result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, args.attention_options,
                                 branch_streams=args.branch_streams == "on", fast_accum=args.fast_accum == "on",
                                 gemm_kernels=None if args.mlp_in_gemm == "auto" else {"mlp_in": args.mlp_in_gemm})
         else:

@@ -153,6 +153,8 @@ def get_spec(name: str) -> ModelSpec:
 
 def shard_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     """The shape one tensor-parallel rank holds: heads and MLP split `tp` ways."""
-    if tp < 1 or spec.n_heads % tp or spec.mlp_hidden % tp:
+    if tp < 1:
+        raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
+    if spec.n_heads % tp or spec.mlp_hidden % tp:
         raise ValueError(f"spec {spec.name}: tensor-parallel degree {tp} must divide n_heads {spec.n_heads} and mlp_hidden {spec.mlp_hidden}")
     return replace(spec, dim=spec.dim // tp, n_heads=spec.n_heads // tp, mlp_hidden=spec.mlp_hidden // tp)

@@ -252,6 +252,10 @@ def test_train_arguments_are_checked(argv, message, tmp_path, capsys):
     (["cache", "--device", "cpu", "--spec", "huge"], "invalid choice: 'huge'"),
     (["allreduce", "--world", "1", "--device", "cpu"], "needs at least 2 processes"),
     (["step", "--device", "cpu"], "needs a CUDA GPU"),
+    (["step", "--tp-shard", "0"], "tensor-parallel degree must be >= 1, got 0"),
+    (["step", "--attention-options", "{kernel: ws}"], "argument --attention-options: not JSON"),
+    (["step", "--attention-options", "[1]"], "argument --attention-options: a JSON object is needed"),
+    (["step", "--attention-options", '{"kernel": "fa3"}'], "kernel must be one of auto, triton, ws, got 'fa3'"),
     (["pipeline", "--device", "cpu", "--gpus", "0"], "GPU 0 in --gpus is not visible"),
     (["teleport"], "invalid choice: 'teleport'"),
 ])

@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench import random_shard
+from engine.bench import attention_options_arg, random_shard
 from engine.config import get_spec
 from engine.session import EngineSession
 
@@ -33,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", default="characters-57b")
     ap.add_argument("--tp-shard", type=int, default=3)
-    ap.add_argument("--attention-options", type=json.loads, default=None)
+    ap.add_argument("--attention-options", type=attention_options_arg, default=None, help="as in engine.bench step")
     ap.add_argument("--fast-accum", choices=("on", "off"), default="on", help="as in engine.bench step")
     ap.add_argument("--graph", action="store_true", help="profile the served step (CUDA graph) on the GPU's timeline")
     ap.add_argument("--steps", type=int, default=3, help="steps profiled with --graph")
