@@ -43,7 +43,16 @@ def test_the_step_saving_is_the_per_call_gain_over_the_steps_calls_less_the_bf16
     text = "\n".join(fa3_attention(probe_result(50.0), STEP))  # the engine-style call: 53 us against 60
     assert "it takes 53.0 us against 60.0: 7.0 us a call, 1.68 ms over the step's 240 attention calls" in text
     assert "puts that difference at 0.50 ms a step" in text
-    assert "So FA3 would save about 1.18 ms of a 105.0 ms step (whose p90 lies 2.0 ms above its median)" in text
+    assert "Net, what FA3 would save: 1.18 ms by time, of a 105.0 ms step (whose p90 lies 2.0 ms above its median)" in text
     slow = "\n".join(fa3_attention(probe_result(58.0), STEP))  # 61 us: slower than ours per call
-    assert "So FA3 would add about 0.74 ms to a 105.0 ms step" in slow
+    assert "Net, what FA3 would save: -0.74 ms by time," in slow
     assert "Called as the engine" not in "\n".join(fa3_attention(probe_result(50.0)))  # no step result: no estimate
+
+
+def test_with_energy_figures_the_saving_is_also_given_at_the_power_limit():
+    r = probe_result(50.0)
+    r["energy"] = {"ws_fp8": {"joules_per_call": 0.044}, "fa3_fp8_kvcache": {"joules_per_call": 0.041}, "power_limit_w": 700.0}
+    text = "\n".join(fa3_attention(r, STEP))
+    # (44 - 41) mJ x 240 calls = 0.72 J a step; at 700 W, 1.03 ms; less the 0.50 ms of the bf16 output
+    assert "FA3's call takes 41.0 mJ against 44.0 mJ: 0.72 J a step, 1.03 ms at that limit" in text
+    assert "Net, what FA3 would save: 1.18 ms by time, 0.53 ms by energy at the power limit, of" in text

@@ -417,25 +417,34 @@ def fastest_fa3(r: dict) -> dict:
 
 def fa3_in_the_step(r: dict, step: dict | None) -> str:
     """What FA3 would save in the served step, called as the engine would have to call it: its per-call gain over
-    the step's attention calls, less the bf16 output's cost that the step benchmark measures."""
+    the step's attention calls, by time and (back to back at the power limit, where the step runs) by energy, less
+    the bf16 output's cost that the step benchmark measures."""
     if "fa3_fp8_kvcache" not in r or not step or "step_ms_with_attention_out_bf16" not in step["serving"]:
         return ""
     s, calls = step["serving"], r["calls_per_step"]
     per_call = r["ws_fp8"]["us"] - r["fa3_fp8_kvcache"]["us"]
     bf16_out = s["step_ms_with_attention_out_bf16"] - s["step_ms"]
-    net = per_call * calls / 1000 - bf16_out
-    return (f" Called as the engine would have to call it (the last row: K and V views of every slot, the live count in "
+    gains = {"by time": per_call * calls / 1000}
+    text = (f" Called as the engine would have to call it (the last row: K and V views of every slot, the live count in "
             f"`cache_seqlens`, so that shapes stay fixed while the window fills; FA3's variable-length build), it takes "
             f"{r['fa3_fp8_kvcache']['us']:.1f} us against {r['ws_fp8']['us']:.1f}: {per_call:.1f} us a call, "
-            f"{per_call * calls / 1000:.2f} ms over the step's {calls} attention calls. Its output is bf16, which the "
-            "out-projection's FP8 GEMM needs quantised per row; the served kernel writes e4m3 instead, and the step "
-            f"benchmark puts that difference at {bf16_out:.2f} ms a step (`step_ms_with_attention_out_bf16`, step section "
-            f"above). So FA3 would {f'save about {net:.2f} ms of' if net > 0 else f'add about {-net:.2f} ms to'} a "
-            f"{s['step_ms']:.1f} ms step "
-            f"(whose p90 lies {s['step_ms_p90'] - s['step_ms']:.1f} ms above its median), and only after three changes to "
-            "the ring: V stored in rows (FA3 reads V as (slot, head, dim); the ring stores its transpose), the live slots "
-            "made contiguous (the sink's padding slots lie between the reference and the window), and FA3 built with "
-            "variable lengths.")
+            f"{gains['by time']:.2f} ms over the step's {calls} attention calls.")
+    e = r.get("energy") or {}
+    if "fa3_fp8_kvcache" in e and "ws_fp8" in e:
+        joules = (e["ws_fp8"]["joules_per_call"] - e["fa3_fp8_kvcache"]["joules_per_call"]) * calls
+        gains["by energy at the power limit"] = 1000 * joules / e["power_limit_w"]
+        text += (f" Each replayed back to back for seconds, at the {e['power_limit_w']:.0f} W limit where the step runs, "
+                 f"FA3's call takes {1000 * e['fa3_fp8_kvcache']['joules_per_call']:.1f} mJ against "
+                 f"{1000 * e['ws_fp8']['joules_per_call']:.1f} mJ: {joules:.2f} J a step, "
+                 f"{gains['by energy at the power limit']:.2f} ms at that limit.")
+    nets = ", ".join(f"{g - bf16_out:.2f} ms {how}" for how, g in gains.items())
+    return (text + " Its output is bf16, which the out-projection's FP8 GEMM needs quantised per row; the served kernel "
+            f"writes e4m3 instead, and the step benchmark puts that difference at {bf16_out:.2f} ms a step "
+            f"(`step_ms_with_attention_out_bf16`, step section above). Net, what FA3 would save: {nets}, of a "
+            f"{s['step_ms']:.1f} ms step (whose p90 lies {s['step_ms_p90'] - s['step_ms']:.1f} ms above its median), "
+            "and only after three changes to the ring: V stored in rows (FA3 reads V as (slot, head, dim); the ring "
+            "stores its transpose), the live slots made contiguous (the sink's padding slots lie between the reference "
+            "and the window), and FA3 built with variable lengths.")
 
 
 def fa3_attention(r: dict | None, step: dict | None = None) -> list[str]:

@@ -9,7 +9,9 @@ FA3 has no wheel on PyPI; build it from a flash-attention checkout first (tools/
 FA3 masks by sequence length, not per slot: its K and V are the live slots, a prefix here. The last run calls it
 as the engine would have to: K and V views of every slot, the live count in `cache_seqlens` (FA3's variable-length
 build), so the shapes stay fixed while the window fills. FA3_SOURCE, when set, names the source it was built from
-in the result; `calls_per_step` is how many attention calls the 57b step makes (blocks x passes).
+in the result; `calls_per_step` is how many attention calls the 57b step makes (blocks x passes). `energy`: ours and
+FA3's engine-style call, each replayed back to back for seconds (engine.bench.sustained_energy), as the served
+step runs them at the GPU's power limit.
 """
 import json
 import os
@@ -18,7 +20,9 @@ import torch
 import triton
 
 from attention_probe_common import D, H, LIVE, M, S, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns
+from engine.bench import sustained_energy
 from engine.config import get_spec
+from engine.gpu_energy import EnergyMeter
 from engine.kernels.fp8_attention import qk_scale
 from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
 
@@ -56,6 +60,11 @@ def main() -> dict:
     runs["fa3_fp8_kvcache"] = (cached, lambda: cached()[0].reshape(M, H * D))
     with torch.no_grad():
         result.update(time_in_turns(runs, dev, REPEATS, rel_err))
+        meter = EnergyMeter.open(dev)
+        if meter is not None:
+            with meter:
+                result["energy"] = {name: sustained_energy(runs[name][0], dev, meter) for name in ("ws_fp8", "fa3_fp8_kvcache")}
+                result["energy"]["power_limit_w"] = meter.power_limit_w()
     try:
         from flash_attn_config import CONFIG  # written by FA3's setup.py: what the build left out
 
