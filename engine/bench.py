@@ -514,16 +514,13 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         session = model = cache = None  # let the GPU memory go before the next configuration
         return out
 
-    try:
+    with meter if meter is not None else contextlib.nullcontext():
         result["serving"] = run_config(True)
         # Process-wide and read once by torch, so the baseline's bf16 GEMMs run with it too.
         from engine.kernels.fp8_linear import GEMM_WORKSPACE_ENV
 
         result["cublaslt_workspace_kib"] = os.environ.get(GEMM_WORKSPACE_ENV, "torch's default")
         result["baseline"] = run_config(False)
-    finally:
-        if meter is not None:
-            meter.close()
     result["speedup"] = result["baseline"]["step_ms"] / result["serving"]["step_ms"]
     result["ratios"] = {k: result["baseline"][k] / result["serving"][k]
                         for k in ("gemm_ms", "attention_ms", "cache_upkeep_ms") if result["serving"][k] > 0}
@@ -711,15 +708,12 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     # Energy per call, each run back to back for seconds: in the served step the GPU sits at its power limit,
     # where a call's energy, more than its time alone, sets what it costs the step
     meter = EnergyMeter.open(device)
-    try:
+    with meter if meter is not None else contextlib.nullcontext():
         energy = {"sdpa_bf16": sustained_energy(sdpa_call, device, meter),
                   "fp8_best_e4m3_out": sustained_energy(served_call, device, meter)}
         if meter is not None:
             energy["power_limit_w"] = meter.power_limit_w()
             energy["sdpa_over_fp8_joules"] = energy["sdpa_bf16"]["joules_per_call"] / energy["fp8_best_e4m3_out"]["joules_per_call"]
-    finally:
-        if meter is not None:
-            meter.close()
     return {"bench": "attention", "date": time.strftime("%Y-%m-%d"), "spec": spec_name, "tp_shard": tp,
             "timing": f"per call, from CUDA graphs of 20 calls; median of {repeats} replays",
             "shape": {"heads": H, "queries": M, "slots": S, "live_slots": n_live, "head_dim": D},
@@ -908,9 +902,9 @@ def bench_pipeline(spec_name: str, placement, steps: int, in_flight: int = 2) ->
 
 
 def attention_options_arg(text: str) -> dict:
-    """--attention-options: a JSON object whose "kernel", when given, is one of ATTENTION_KERNELS; checked when the
+    """--attention-options: a JSON object whose "kernel", when given, is one the engine has; checked when the
     command line is read, not after minutes of building the model."""
-    from engine.kernels import ATTENTION_KERNELS
+    from engine.kernels import check_attention_kernel
 
     try:
         options = json.loads(text)
@@ -918,8 +912,10 @@ def attention_options_arg(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
     if not isinstance(options, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. '{{\"kernel\": \"ws\"}}', got {text!r}")
-    if options.get("kernel", "auto") not in ATTENTION_KERNELS:
-        raise argparse.ArgumentTypeError(f"kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {options['kernel']!r}")
+    try:
+        check_attention_kernel(options.get("kernel", "auto"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return options
 
 
@@ -947,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--mlp-in-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
                          "Hopper; the other is timed too)")
-    st.add_argument("--attention-options", default={}, type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max")
+    st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")

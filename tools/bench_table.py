@@ -432,7 +432,7 @@ def fa3_in_the_step(r: dict, step: dict | None) -> str:
     e = r.get("energy") or {}
     if "fa3_fp8_kvcache" in e and "ws_fp8" in e:
         joules = (e["ws_fp8"]["joules_per_call"] - e["fa3_fp8_kvcache"]["joules_per_call"]) * calls
-        gains["by energy at the power limit"] = 1000 * joules / e["power_limit_w"]
+        gains["by energy at the power limit"] = ms_at_power_limit(joules, e["power_limit_w"])
         text += (f" Each replayed back to back for seconds, at the {e['power_limit_w']:.0f} W limit where the step runs, "
                  f"FA3's call takes {1000 * e['fa3_fp8_kvcache']['joules_per_call']:.1f} mJ against "
                  f"{1000 * e['ws_fp8']['joules_per_call']:.1f} mJ: {joules:.2f} J a step, "
@@ -544,9 +544,14 @@ def cudnn_attention(r: dict | None) -> list[str]:
     return out
 
 
+def ms_at_power_limit(joules: float, limit_w: float) -> float:
+    """How long a GPU held at its power limit takes to spend `joules`."""
+    return 1000 * joules / limit_w
+
+
 def power_floor_ms(step: dict) -> float:
     """The shortest mean period of back-to-back serving steps that the power limit allows at their energy."""
-    return 1000 * step["serving"]["step_joules"] / step["power_limit_w"]
+    return ms_at_power_limit(step["serving"]["step_joules"], step["power_limit_w"])
 
 
 def step_energy(step: dict) -> list[str]:
@@ -579,8 +584,8 @@ def main() -> None:
     out += pytest_run("pytest_gpu_h200.txt", "GPU tests on one H200, the engine's test files run on the GPU",
                       "bash tools/gpu_suite.sh tests")
     step = load("step_57b_tp3_h200.json")
-    cudnn = load("cudnn_fp8_attention_h200.json")
-    out += fast_path_targets(step, load("attention_57b_tp3_h200.json"), cudnn, load("fa3_fp8_attention_h200.json"))
+    cudnn, fa3 = load("cudnn_fp8_attention_h200.json"), load("fa3_fp8_attention_h200.json")
+    out += fast_path_targets(step, load("attention_57b_tp3_h200.json"), cudnn, fa3)
     if step:
         s, b = step["serving"], step["baseline"]
         mlp_in_kernel = (s.get("gemm_kernels") or {}).get("mlp_in")  # MLP-in's FP8 GEMM kernel
@@ -760,7 +765,7 @@ def main() -> None:
                                    f", {per} on every SM" if r["programs"] == per * fill["sms"] else
                                    ", past what the SMs hold at once" if r["programs"] > per * fill["sms"] else "")
                                 + f"): {r['us']:.1f} us" for r in fill["rows"]) + ".", ""]
-        out += fa3_attention(load("fa3_fp8_attention_h200.json"), load("step_57b_tp3_h200.json"))
+        out += fa3_attention(fa3, step)
         out += cudnn_attention(cudnn)
         options = [("splits", lambda c: c.get("splits", 1) > 1, "the KV axis split in 2"),
                    ("exp2", lambda c: c.get("exp2") == "fma", "2^x on the FMA units (`exp2=fma`)"),

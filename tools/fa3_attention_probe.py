@@ -47,7 +47,8 @@ def main() -> dict:
 
     descale = sc.view(1, H).float().contiguous()  # (batch, heads)
     bshd = lambda x: x.transpose(0, 1).unsqueeze(0)  # (H, n, D) -> (1, n, H, D), a view
-    views = [bshd(q8), bshd(k8[:, :LIVE]), bshd(v8[:, :LIVE])]  # strided, straight from the (H, S, D) buffers
+    q_all, k_all, v_all = bshd(q8), bshd(k8), bshd(v8)  # strided, straight from the (H, S, D) buffers
+    views = [q_all, k_all[:, :LIVE], v_all[:, :LIVE]]
     copies = [x.contiguous() for x in views]
     for name, (q, k, v), splits in (("fa3_fp8", copies, 1), ("fa3_fp8_cache_views", views, 1),
                                     ("fa3_fp8_splits_auto", copies, 0)):  # 0: FA3's own choice of KV splits
@@ -55,7 +56,7 @@ def main() -> dict:
                                                                  v_descale=descale, num_splits=n)
         runs[name] = (call, lambda call=call: call()[0].reshape(M, H * D))  # (1, M, H, D) bf16
     live = torch.full((1,), LIVE, dtype=torch.int32, device=dev)
-    cached = lambda: flash_attn_with_kvcache(bshd(q8), bshd(k8), bshd(v8), cache_seqlens=live, q_descale=descale,
+    cached = lambda: flash_attn_with_kvcache(q_all, k_all, v_all, cache_seqlens=live, q_descale=descale,
                                              k_descale=descale, v_descale=descale, num_splits=1)
     runs["fa3_fp8_kvcache"] = (cached, lambda: cached()[0].reshape(M, H * D))
     with torch.no_grad():

@@ -108,11 +108,16 @@ def warp_specialized_attention_runs(device_index: int) -> bool:
                           "the Triton FP8 attention kernel serves", build=_build_ws_attention)
 
 
-def attention_kernel(kernel: str, device: torch.device, head_dim: int) -> str:
-    """`kernel` (one of ATTENTION_KERNELS) resolved for `device` and `head_dim`: "triton" or "ws"."""
+def check_attention_kernel(kernel: str) -> str:
+    """`kernel` if it is one of ATTENTION_KERNELS, else a ValueError naming them."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
-    if kernel == "triton":
+    return kernel
+
+
+def attention_kernel(kernel: str, device: torch.device, head_dim: int) -> str:
+    """`kernel` (one of ATTENTION_KERNELS) resolved for `device` and `head_dim`: "triton" or "ws"."""
+    if check_attention_kernel(kernel) == "triton":
         return kernel
     runs = device.type == "cuda" and head_dim in WS_HEAD_DIMS and warp_specialized_attention_runs(device.index or 0)
     if kernel == "ws" and not runs:
