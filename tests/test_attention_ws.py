@@ -96,6 +96,19 @@ def test_refuses_shapes_it_cannot_run():
         WarpSpecializedFP8Attention(2, 70, 320, 16)
     with pytest.raises(ValueError, match="pingpong takes two consumer warpgroups: block_m 128"):
         WarpSpecializedFP8Attention(2, 70, 320, 128, block_m=64, pingpong=True)
+    with pytest.raises(ValueError, match="exp2 must be one of mufu, fma, mixed, got 'sfu'"):
+        WarpSpecializedFP8Attention(2, 70, 320, 128, exp2="sfu")
+
+
+def test_exp2_on_the_fma_units_takes_the_probabilities_off_the_special_function_unit():
+    """exp2="fma" computes every probability's 2^x on the FMA and integer units, "mixed" half of them; the
+    special-function unit keeps only the rescale factors (one per row a thread holds)."""
+    ex2 = {e: compile_for_hopper(128, block_m=64, block_n=128, stages=2, exp2=e).asm["ptx"].count("ex2.approx")
+           for e in ("mufu", "mixed", "fma")}
+    per_thread = 2 * 64 * 128 // 128  # a 64 x 128 score tile over 128 threads, at the softmax's two sites (first block, loop)
+    assert ex2["mufu"] - ex2["fma"] == per_thread
+    assert ex2["mixed"] - ex2["fma"] == per_thread // 2
+    assert ex2["fma"] <= 4  # the rescale factors: 2 rows a thread, two sites
 
 
 def test_kernel_choice():
@@ -175,6 +188,33 @@ def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S
     ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
     assert torch.isfinite(out).all()
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("exp2", ["mixed", "fma"])
+@pytest.mark.parametrize("block_m, S", [(64, 5824), (128, 320)])
+def test_2x_on_the_fma_units_matches_exact_attention_and_the_special_function_units_output(exp2, block_m, S):
+    """The polynomial's 2^x (relative error below 0.2%) before e4m3's rounding of P (up to 6%): within the same 3%
+    of exact attention, and within 1% of the kernel with 2^x on the special-function unit."""
+    g = torch.Generator().manual_seed(4)
+    H, M, D, dev = 3, 70, 128, torch.device("cuda")
+    scale = fp8.per_head_scale(torch.rand(H, D, generator=g).to(dev) + 0.5)
+    q8, k8 = (fp8.quantize(rms_heads(g, H, n, D).to(dev), scale) for n in (M, S))
+    vt8 = fp8.quantize(rms_heads(g, H, S, D).to(dev), scale).transpose(1, 2).contiguous()
+    valid = torch.ones(S, dtype=torch.int8, device=dev)
+    valid[40:130] = 0
+    outs = {}
+    for unit in ("mufu", exp2):
+        attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=128, stages=2, exp2=unit)
+        attention.mark_live_tiles(valid)
+        outs[unit] = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
+        attention(q8, k8, attention.arrange_v(vt8), valid, qk_scale(scale, scale, D), scale, outs[unit])
+    ref = attention_reference(q8, k8, vt8, valid, scale, scale, scale)
+    out, sfu = outs[exp2].float(), outs["mufu"].float()
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() <= 3e-2
+    assert ((out - sfu).norm() / sfu.norm()).item() <= 1e-2
 
 
 @pytest.mark.gpu

@@ -25,7 +25,10 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   Without the producer (the consumer warpgroup issuing its own loads, refilling a stage once its products
   are done, so that a program is 4 warps and three fit an SM) it was much slower, three programs an SM or two.
 
-Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py.
+Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py. As there,
+`exp2` puts the softmax's 2^x on the special-function unit ("mufu"), on the FMA and integer units ("fma",
+fp8_attention.py's polynomial) or half on each ("mixed"); on an H200 each step off the special-function unit
+made this kernel slower (`engine.bench attention`), so that unit does not bound it.
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
 hold it to `attention_reference` on a GPU.
 """
@@ -39,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from engine.kernels import FP_FUSION, WS_HEAD_DIMS
-from engine.kernels.fp8_attention import check_out
+from engine.kernels.fp8_attention import EXP2_UNITS, _exp2_fma, check_out
 
 # The TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.9 (the old name then raises)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -102,9 +105,13 @@ def _row_max(s, rows: gl.constexpr):
     return gl.convert_layout(gl.reduce(x, 1, _max), rows, assert_trivial=True)
 
 
+# fp8_attention.py's 2^x on the FMA and integer units, the same body built as Gluon
+_exp2_poly = gluon.jit(_exp2_fma.fn)
+
+
 @gluon.jit
 def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                   TREE_MAX: gl.constexpr):
+                   TREE_MAX: gl.constexpr, EXP2_UNIT: gl.constexpr):
     """Online softmax of score block `tile`, in log2 units, against (max - 8). Tiles known to be fully
     live skip the per-slot mask (the validity bytes cost as much as the exponentials)."""
     if all_live == 0:
@@ -117,7 +124,16 @@ def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.con
         m_new = gl.maximum(m_i, gl.reduce(s, 1, _max) * scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no live slot yet
     alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s * scale - (m_safe - 8.0)[:, None])  # <= 256: inside e4m3's 448
+    x = s * scale - (m_safe - 8.0)[:, None]  # 2^x <= 256: inside e4m3's 448
+    if EXP2_UNIT == "fma":
+        p = _exp2_poly(x)
+    elif EXP2_UNIT == "mixed":  # the column pairs a thread holds side by side: one on each unit
+        M: gl.constexpr = x.shape[0]
+        x_mufu, x_fma = gl.split(gl.reshape(x, [M, BLOCK_N // 2, 2]))
+        p = gl.convert_layout(gl.reshape(gl.join(gl.exp2(x_mufu), _exp2_poly(x_fma)), [M, BLOCK_N]), s_layout,
+                              assert_trivial=True)
+    else:
+        p = gl.exp2(x)
     l_i = l_i * alpha + gl.reduce(p, 1, _add)
     return p, m_new, l_i, alpha
 
@@ -153,7 +169,8 @@ def pv_slot_order(n_slots: int, device=None) -> torch.Tensor:
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, valid, tile_live,
               qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr,
-              FIRST: gl.constexpr, OUT_FP8: gl.constexpr, TREE_MAX: gl.constexpr, num_warps: gl.constexpr):
+              FIRST: gl.constexpr, OUT_FP8: gl.constexpr, TREE_MAX: gl.constexpr, EXP2_UNIT: gl.constexpr,
+              num_warps: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -171,7 +188,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
     s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(0), count=1)
-    p, m_i, l_i, alpha = _softmax_block(s, valid, gl.load(tile_live), 0, S, scale, m_i, l_i, BLOCK_N, s_layout, TREE_MAX)
+    p, m_i, l_i, alpha = _softmax_block(s, valid, gl.load(tile_live), 0, S, scale, m_i, l_i, BLOCK_N, s_layout, TREE_MAX, EXP2_UNIT)
     for i in range(n_blocks - 1):
         cur = i % STAGES
         nxt = (i + 1) % STAGES
@@ -191,7 +208,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
             o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # q·kᵀ done; ptxas waits for P·V at the softmax's start
         mbarrier.arrive(k_empty.index(nxt), count=1)
-        p, m_i, l_i, alpha = _softmax_block(s, valid, live_next, i + 1, S, scale, m_i, l_i, BLOCK_N, s_layout, TREE_MAX)
+        p, m_i, l_i, alpha = _softmax_block(s, valid, live_next, i + 1, S, scale, m_i, l_i, BLOCK_N, s_layout, TREE_MAX, EXP2_UNIT)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(v_empty.index(cur), count=1)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -216,7 +233,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
 def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, M, S,
                     D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr, OUT_FP8: gl.constexpr,
-                    TREE_MAX: gl.constexpr, num_warps: gl.constexpr):
+                    TREE_MAX: gl.constexpr, EXP2_UNIT: gl.constexpr, num_warps: gl.constexpr):
     pid_m, h = gl.program_id(0), gl.program_id(1)
     off_m = pid_m * BLOCK_M
     n_blocks = (S + BLOCK_N - 1) // BLOCK_N
@@ -248,7 +265,7 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a, turn_b, valid,
                          tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES,
-                         RENAMED_P, False, 1, OUT_FP8, TREE_MAX, num_warps)),
+                         RENAMED_P, False, 1, OUT_FP8, TREE_MAX, EXP2_UNIT, num_warps)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [1], [24])
@@ -256,10 +273,10 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a,
                          turn_b, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64,
-                         BLOCK_N, STAGES, RENAMED_P, PINGPONG, 1, OUT_FP8, TREE_MAX, num_warps)),
+                         BLOCK_N, STAGES, RENAMED_P, PINGPONG, 1, OUT_FP8, TREE_MAX, EXP2_UNIT, num_warps)),
             (_consumer, (q_smem.slice(64, 64), k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn_b,
                          turn_a, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m + 64, M, S, n_blocks, D,
-                         64, BLOCK_N, STAGES, RENAMED_P, PINGPONG, 0, OUT_FP8, TREE_MAX, 4)),
+                         64, BLOCK_N, STAGES, RENAMED_P, PINGPONG, 0, OUT_FP8, TREE_MAX, EXP2_UNIT, 4)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -286,7 +303,9 @@ class WarpSpecializedFP8Attention:
 
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device=None,
                  block_m: int = 64, block_n: int = 128, stages: int = 3, maxnreg: int | None = None,
-                 pingpong: bool = False, renamed_p: bool = True, tree_max: bool = True):
+                 pingpong: bool = False, renamed_p: bool = True, tree_max: bool = True, exp2: str = "mufu"):
+        if exp2 not in EXP2_UNITS:
+            raise ValueError(f"exp2 must be one of {', '.join(EXP2_UNITS)}, got {exp2!r}")
         if head_dim not in WS_HEAD_DIMS:  # the P·V product's N; TMA rows of at least 32 bytes
             raise ValueError(f"head_dim must be one of {WS_HEAD_DIMS} for the warp-specialised kernel, got {head_dim}")
         if block_m not in (64, 128):
@@ -304,6 +323,7 @@ class WarpSpecializedFP8Attention:
         self.pingpong = pingpong  # the two consumers issue their products in turns (FlashAttention-3's ping-pong)
         self.permutes_v_slots = renamed_p
         self.tree_max = tree_max  # row maxima as a tree (`_row_max`); False: the plain reduction
+        self.exp2 = exp2  # where the softmax's 2^x runs, as in fp8_attention.py
         self.num_warps = 4  # the default partition: one consumer warpgroup
         # block_m 128 launches 12 warps (partitions come in warpgroups): 168 registers each fill the register
         # file; then the producer's warpgroup gives its registers to the consumer warpgroup in a partition of its own.
@@ -328,7 +348,7 @@ class WarpSpecializedFP8Attention:
         _attn_ws_kernel[(triton.cdiv(M, self.block_m), H)](
             q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
-            RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, OUT_FP8=out_fp8, TREE_MAX=self.tree_max,
+            RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, OUT_FP8=out_fp8, TREE_MAX=self.tree_max, EXP2_UNIT=self.exp2,
             num_warps=self.num_warps, maxnreg=self.maxnreg, **FP_FUSION)
         return out
 
@@ -348,7 +368,7 @@ class WarpSpecializedFP8Attention:
 
 def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 128, stages: int = 3,
                        maxnreg: int | None = None, pingpong: bool = False, renamed_p: bool = True, out_fp8: bool = False,
-                       tree_max: bool = True):
+                       tree_max: bool = True, exp2: str = "mufu"):
     """Build the kernel for sm_90a on any machine, GPU or not (Triton ships ptxas): the compiled
     kernel, its PTX under `.asm["ptx"]`. The launch signature depends on tile shapes only."""
     import torch
@@ -357,7 +377,7 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
     from triton.runtime.jit import mangle_type
 
     att = WarpSpecializedFP8Attention(1, block_m, block_n, head_dim, block_m=block_m, block_n=block_n, stages=stages,
-                                      maxnreg=maxnreg, pingpong=pingpong, renamed_p=renamed_p)
+                                      maxnreg=maxnreg, pingpong=pingpong, renamed_p=renamed_p, exp2=exp2)
     fp8 = torch.float8_e4m3fn
     descs = att.descriptors(torch.zeros(1, block_m, head_dim, dtype=fp8), torch.zeros(1, block_n, head_dim, dtype=fp8),
                             torch.zeros(1, head_dim, block_n, dtype=fp8))
@@ -365,11 +385,11 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
                  "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*fp8e4nv" if out_fp8 else "*bf16", "s_om": "i32", "M": "i32",
                  "S": "i32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
                  "CONSUMER_REGS": "constexpr", "RENAMED_P": "constexpr", "PINGPONG": "constexpr", "OUT_FP8": "constexpr",
-                 "TREE_MAX": "constexpr",
+                 "TREE_MAX": "constexpr", "EXP2_UNIT": "constexpr",
                  "num_warps": "constexpr"}
     constants = {"D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
                  "CONSUMER_REGS": att.consumer_regs, "RENAMED_P": renamed_p, "PINGPONG": pingpong, "OUT_FP8": out_fp8,
-                 "TREE_MAX": tree_max,
+                 "TREE_MAX": tree_max, "EXP2_UNIT": exp2,
                  "num_warps": att.num_warps}
     return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg, **FP_FUSION})
