@@ -391,7 +391,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     `gemm_kernels` over the engine's default FP8 GEMM kernels) vs the baseline (naive cache with
     read-time RoPE, SDPA in bf16, bf16 GEMMs, eager). The serving path's step is also timed with each
     of those settings flipped, on the same weights. Where NVML is readable, each configuration's timed
-    steps also give their energy (joules per step, mean watts, median SM clock) beside the power limit."""
+    steps also give their energy (joules per step, mean watts, median SM clock) beside the power limit, and
+    the serving path's breakdown parts (GEMMs, attention, cache upkeep) theirs, each held back to back alone."""
     from engine.session import EngineSession
 
     full = get_spec(spec_name)
@@ -463,7 +464,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             out["step_ms_with_attention_out_bf16"] = median_step_ms(bf16_out)
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
-        out["gemm_ms"] = time_part(_gemms_of_a_step(model, full, device, dtype))
+        gemms = _gemms_of_a_step(model, full, device, dtype)
+        out["gemm_ms"] = time_part(gemms)
         cache = session.cache
         H, D, F = rank_spec.n_heads, full.head_dim, full.frame_tokens
         q = torch.randn(H, F, D, device=device, dtype=dtype)
@@ -511,6 +513,9 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             out["cache_upkeep_ms"] = time_part(upkeep)
             out["attention_ms"] = time_part(attend)
         out["other_ms"] = out["step_ms"] - out["gemm_ms"] - out["attention_ms"] - out["cache_upkeep_ms"]
+        if fast and meter is not None:  # each part's energy a step, held back to back at the power limit as the step is
+            out["part_energy"] = {name: sustained_energy(fn, device, meter, calls=1)
+                                  for name, fn in (("gemm", gemms), ("attention", attend), ("cache_upkeep", upkeep))}
         session = model = cache = None  # let the GPU memory go before the next configuration
         return out
 
@@ -676,6 +681,8 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
         sweep += [dict(kernel="ws", block_m=bm, block_n=128, stages=2, renamed_p=False) for bm in (64, 128)]
         # row maxima by the plain reduction (one dependent chain per row) instead of the tree
         sweep += [dict(kernel="ws", block_m=64, block_n=128, stages=st, tree_max=False) for st in (2, 3)]
+        # the softmax's 2^x half or wholly on the FMA units (a polynomial) instead of the special-function unit
+        sweep += [dict(kernel="ws", block_m=64, block_n=128, stages=st, exp2=e) for st in (2, 3) for e in ("mixed", "fma")]
     for opts in sweep:
         if opts["kernel"] == "triton":
             opts = {"pv_fp8": True, **opts, "warp_specialize": False}
@@ -943,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--mlp-in-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
                          "Hopper; the other is timed too)")
-    st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max")
+    st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max, exp2")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")

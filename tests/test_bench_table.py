@@ -1,10 +1,11 @@
-"""tools/bench_table.py's FlashAttention-3 paragraphs, from a result shaped as tools/fa3_attention_probe.py writes it."""
+"""tools/bench_table.py's FlashAttention-3 paragraphs, from a result shaped as tools/fa3_attention_probe.py writes it,
+and the step's energy by part, from a result shaped as `engine.bench step` writes it."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from bench_table import fa3_attention, fast_path_targets  # noqa: E402
+from bench_table import fa3_attention, fast_path_targets, part_energy  # noqa: E402
 
 
 def probe_result(fa3_us: float) -> dict:
@@ -47,6 +48,10 @@ def test_the_step_saving_is_the_per_call_gain_over_the_steps_calls_less_the_bf16
     slow = "\n".join(fa3_attention(probe_result(58.0), STEP))  # 61 us: slower than ours per call
     assert "Net, what FA3 would save: -0.74 ms by time," in slow
     assert "Called as the engine" not in "\n".join(fa3_attention(probe_result(50.0)))  # no step result: no estimate
+    no_cost = {"serving": {**STEP["serving"], "step_ms_with_attention_out_bf16": 104.9}}  # bf16 out measured 0.1 ms faster
+    text = "\n".join(fa3_attention(probe_result(50.0), no_cost))
+    assert "found no cost in its run (-0.10 ms a step, inside the run-to-run spread), so none is taken off" in text
+    assert "Net, what FA3 would save: 1.68 ms by time," in text
 
 
 def test_with_energy_figures_the_saving_is_also_given_at_the_power_limit():
@@ -56,3 +61,13 @@ def test_with_energy_figures_the_saving_is_also_given_at_the_power_limit():
     # (44 - 41) mJ x 240 calls = 0.72 J a step; at 700 W, 1.03 ms; less the 0.50 ms of the bf16 output
     assert "FA3's call takes 41.0 mJ against 44.0 mJ: 0.72 J a step, 1.03 ms at that limit" in text
     assert "Net, what FA3 would save: 1.18 ms by time, 0.53 ms by energy at the power limit, of" in text
+
+
+def test_the_parts_energy_is_set_against_what_a_100_ms_step_may_spend_at_the_power_limit():
+    part = lambda joules, ms, clock: {"joules_per_call": joules, "us_per_call": 1000 * ms, "watts": 690.0, "sm_clock_mhz": clock}
+    parts = {"gemm": part(59.0, 85.5, 1425), "attention": part(10.5, 15.2, 1830), "cache_upkeep": part(1.4, 2.6, None)}
+    text = part_energy(parts, 74.5, 700.0)
+    assert ("GEMMs 59.0 J (85.5 ms a step at a median 1425 MHz); attention 10.5 J (15.2 ms a step at a median 1830 MHz); "
+            "cache upkeep 1.4 J (2.6 ms a step)") in text  # no clock reading, no clock
+    assert "Together 70.9 J of the step's 74.5 J" in text
+    assert "may spend 70 J at this limit: these parts alone take 101% of that, the GEMMs 84%." in text

@@ -437,9 +437,14 @@ def fa3_in_the_step(r: dict, step: dict | None) -> str:
                  f"FA3's call takes {1000 * e['fa3_fp8_kvcache']['joules_per_call']:.1f} mJ against "
                  f"{1000 * e['ws_fp8']['joules_per_call']:.1f} mJ: {joules:.2f} J a step, "
                  f"{gains['by energy at the power limit']:.2f} ms at that limit.")
+    if bf16_out > 0:
+        cost = f"puts that difference at {bf16_out:.2f} ms a step"
+    else:  # a bf16 output measured no slower: nothing to take off the gain
+        cost = f"found no cost in its run ({bf16_out:+.2f} ms a step, inside the run-to-run spread), so none is taken off"
+        bf16_out = 0.0
     nets = ", ".join(f"{g - bf16_out:.2f} ms {how}" for how, g in gains.items())
     return (text + " Its output is bf16, which the out-projection's FP8 GEMM needs quantised per row; the served kernel "
-            f"writes e4m3 instead, and the step benchmark puts that difference at {bf16_out:.2f} ms a step "
+            f"writes e4m3 instead, and the step benchmark {cost} "
             f"(`step_ms_with_attention_out_bf16`, step section above). Net, what FA3 would save: {nets}, of a "
             f"{s['step_ms']:.1f} ms step (whose p90 lies {s['step_ms_p90'] - s['step_ms']:.1f} ms above its median), "
             "and only after three changes to the ring: V stored in rows (FA3 reads V as (slot, head, dim); the ring "
@@ -573,7 +578,28 @@ def step_energy(step: dict) -> list[str]:
                     f"included) at a mean {s['step_watts_at_realtime_cadence']:.0f} W, below the limit.")
     if "step_joules" in b:
         out[-1] += f" The eager baseline: {b['step_joules']:.1f} J a step at a mean {b['step_watts']:.0f} W."
+    if parts := s.get("part_energy"):
+        out += ["", part_energy(parts, s["step_joules"], limit)]
     return out + [""]
+
+
+WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on the FMA units (exp2=fma)"}
+PART_NAMES = {"gemm": "GEMMs", "attention": "attention", "cache_upkeep": "cache upkeep"}
+
+
+def part_energy(parts: dict, step_joules: float, limit_w: float) -> str:
+    """The breakdown's parts, each held back to back at the power limit: their joules a step against the step's and
+    against what a back-to-back step of 100 ms may spend at that limit."""
+    budget = 0.1 * limit_w
+    clock = lambda p: f" at a median {p['sm_clock_mhz']:.0f} MHz" if p.get("sm_clock_mhz") else ""
+    listed = "; ".join(f"{PART_NAMES[name]} {p['joules_per_call']:.1f} J ({p['us_per_call'] / 1000:.1f} ms a step{clock(p)})"
+                       for name, p in parts.items())
+    total = sum(p["joules_per_call"] for p in parts.values())
+    return (f"Each part of the breakdown alone, its step's worth replayed back to back for seconds so that the GPU "
+            f"sits at its power limit as the step does (`part_energy`): {listed}. Together {total:.1f} J of the step's "
+            f"{step_joules:.1f} J; the rest is the other kernels'. A back-to-back step of 100 ms may spend {budget:.0f} J "
+            f"at this limit: these parts alone take {100 * total / budget:.0f}% of that, the GEMMs "
+            f"{100 * parts['gemm']['joules_per_call'] / budget:.0f}%.")
 
 
 def main() -> None:
@@ -773,10 +799,10 @@ def main() -> None:
                    ("lazy", lambda c: c.get("lazy_rescale", False), "lazy rescaling (`lazy_rescale=True`)"),
                    ("tma", lambda c: c.get("tma", False), "K and V tiles through TMA (`tma=True`)"),
                    ("pv16", lambda c: not c.get("pv_fp8", True), "P x V in fp16 (`pv_fp8=False`)")]
-        found = [(label, min(c["us"] for c in att["configs"] if test(c)))
-                 for _, test, label in options if any(test(c) for c in att["configs"])]
+        triton_configs = [c for c in att["configs"] if c.get("kernel", "triton") == "triton"]
+        found = [(label, min(c["us"] for c in triton_configs if test(c)))
+                 for _, test, label in options if any(test(c) for c in triton_configs)]
         if found:
-            triton_configs = [c for c in att["configs"] if c.get("kernel", "triton") == "triton"]
             out += [f"Of the {len(triton_configs)} Triton-kernel configurations swept, the fastest with each option: "
                     + "; ".join(f"{label} {us:.1f} us" for label, us in found) + ".", ""]
         ncu = ncu_summary("ncu_attention_ws_h200.txt")
@@ -790,14 +816,18 @@ def main() -> None:
                     "tile shape and pipeline depth: "
                     + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages{', ping-pong' if c.get('pingpong') else ''}"
                                 f"{', P shuffled (renamed_p=False)' if c.get('renamed_p') is False else ''}"
-                                f"{', row maxima by the plain reduction (tree_max=False)' if c.get('tree_max') is False else ''}: "
+                                f"{', row maxima by the plain reduction (tree_max=False)' if c.get('tree_max') is False else ''}"
+                                f"{WS_EXP2.get(c.get('exp2', 'mufu'), '')}: "
                                 f"{c['us']:.1f} us" for c in ws) + ". Ping-pong: the two consumer warpgroups of a 128-row program "
                     "issue their products in turns (FlashAttention-3's schedule), so one's softmax runs under the other's products. "
                     "P shuffled: the probabilities move between threads into the layout of the P·V product's FP8 operand at every "
                     "block, V's slots in their own order; the default renames P's columns in its registers instead and the cache "
                     "stores V's slots in the matching order (`pv_slot_order`), so nothing moves. Row maxima: by default a "
                     "tree over each thread's columns (depth 5); the plain reduction compiles into one chain of dependent "
-                    "comparisons per row (same maxima, same output).", ""]
+                    "comparisons per row (same maxima, same output)."
+                    + (" 2^x on the FMA units: the softmax's exponentials computed by a quadratic and an add into the "
+                       "exponent bits (fp8_attention.py's `_exp2_fma`), about six FMA and integer instructions in the place "
+                       "of one on the special-function unit." if any(c.get("exp2", "mufu") != "mufu" for c in ws) else ""), ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:
         out += ["## Step period with the decoder in its own process", "",
