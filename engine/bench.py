@@ -142,6 +142,11 @@ def _device_name(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
 
 
+def _optional(context: contextlib.AbstractContextManager | None) -> contextlib.AbstractContextManager:
+    """`context`, or one that does nothing where there is none (no NVML meter on this machine)."""
+    return context if context is not None else contextlib.nullcontext()
+
+
 def _graph_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
     """Median time of `fn` replayed as a CUDA graph (no launch gaps), or eagerly on the CPU."""
     if device.type != "cuda":
@@ -180,7 +185,7 @@ def sustained_energy(fn: Callable[[], None], device: torch.device, meter: Energy
 
     def replay_for(s: float, window: EnergyWindow | None = None) -> int:
         replays, end = 0, time.perf_counter() + s
-        with window if window is not None else contextlib.nullcontext():
+        with _optional(window):
             while time.perf_counter() < end:
                 graph.replay()
                 replays += 1
@@ -325,7 +330,7 @@ def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: 
     times: list[float] = []
     reset_times: list[float] = []
     every = session.cache.reset_every if resets else 0
-    with energy if energy is not None else contextlib.nullcontext():
+    with _optional(energy):
         for _ in range(2 * steps + 2 * max(every, 1)):  # bounded: with resets every step, no step is steady-state
             if len(times) >= steps and not (resets and reset_needed and not reset_times):
                 break
@@ -519,7 +524,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         session = model = cache = None  # let the GPU memory go before the next configuration
         return out
 
-    with meter if meter is not None else contextlib.nullcontext():
+    with _optional(meter):
         result["serving"] = run_config(True)
         # Process-wide and read once by torch, so the baseline's bf16 GEMMs run with it too.
         from engine.kernels.fp8_linear import GEMM_WORKSPACE_ENV
@@ -715,7 +720,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     # Energy per call, each run back to back for seconds: in the served step the GPU sits at its power limit,
     # where a call's energy, more than its time alone, sets what it costs the step
     meter = EnergyMeter.open(device)
-    with meter if meter is not None else contextlib.nullcontext():
+    with _optional(meter):
         energy = {"sdpa_bf16": sustained_energy(sdpa_call, device, meter),
                   "fp8_best_e4m3_out": sustained_energy(served_call, device, meter)}
         if meter is not None:
