@@ -194,7 +194,7 @@ def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("exp2", ["mixed", "fma"])
 @pytest.mark.parametrize("block_m, S", [(64, 5824), (128, 320)])
-def test_2x_on_the_fma_units_matches_exact_attention_and_the_special_function_units_output(exp2, block_m, S):
+def test_exp2_on_the_fma_units_matches_exact_attention_and_the_special_function_units_output(exp2, block_m, S):
     """The polynomial's 2^x (relative error below 0.2%) before e4m3's rounding of P (up to 6%): within the same 3%
     of exact attention, and within 1% of the kernel with 2^x on the special-function unit."""
     g = torch.Generator().manual_seed(4)
