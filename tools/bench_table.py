@@ -533,7 +533,7 @@ def cudnn_attention(r: dict | None) -> list[str]:
             ("cuDNN FP8 SDPA, K and V cut to the live slots", "cudnn_fp8_prefix"),
             ("cuDNN FP8 SDPA, all slots with a sequence-length mask", "cudnn_fp8_padding_mask")]
     out = [f"NVIDIA's own FP8 attention on this GPU: cuDNN {cudnn_version}'s FP8 SDPA (nvidia-cudnn-frontend "
-           f"{r['cudnn_frontend']}, torch {r['torch']}) on the same e4m3 q, K, V ({shape['heads']} heads, {shape['queries']} "
+           f"{r['cudnn_frontend']}, torch {r['torch']}{', Triton ' + r['triton'] if 'triton' in r else ''}) on the same e4m3 q, K, V ({shape['heads']} heads, {shape['queries']} "
            f"queries, {shape['live']} live of {shape['slots']} slots; one scale for all heads, as cuDNN takes one per tensor), "
            f"medians of {len(r['sdpa_bf16']['us_runs'])} runs taken in turns"
            + (f", each timed as a {r['sdpa_bf16']['timing']}" if len({r[k].get('timing') for k in ('sdpa_bf16', 'ws_fp8') if k in r}) == 1

@@ -27,7 +27,9 @@ REPEATS = 5
 def main() -> dict:
     import cudnn
 
-    result = {"torch": torch.__version__, "cudnn": cudnn.backend_version(), "cudnn_frontend": version("nvidia-cudnn-frontend"),
+    import triton
+
+    result = {"torch": torch.__version__, "triton": triton.__version__, "cudnn": cudnn.backend_version(), "cudnn_frontend": version("nvidia-cudnn-frontend"),
               "device": torch.cuda.get_device_name(), "shape": SHAPE}
     q8, k8, v8, vt8, valid, sc, rel_err = probe_inputs(dev)
 
