@@ -71,3 +71,14 @@ def test_the_parts_energy_is_set_against_what_a_100_ms_step_may_spend_at_the_pow
             "cache upkeep 1.4 J (2.6 ms a step)") in text  # no clock reading, no clock
     assert "Together 70.9 J of the step's 74.5 J" in text
     assert "may spend 70 J at this limit: these parts alone take 101% of that, the GEMMs 84%." in text
+
+
+def test_the_step_target_names_what_the_gemms_and_attention_take_of_a_100_ms_steps_energy():
+    part = lambda joules: {"joules_per_call": joules, "us_per_call": 1000.0, "watts": 690.0, "sm_clock_mhz": 1500}
+    step = {"power_limit_w": 700.0, "serving": {**STEP["serving"], "step_joules": 72.7, "part_energy": {
+        "gemm": part(57.2), "attention": part(10.9), "cache_upkeep": part(1.1)}}}
+    text = "\n".join(fast_path_targets(step, ATTENTION))
+    assert ("need at most 70 J each, of which the step's GEMMs alone take 57.2 J and its attention 10.9 J, each held "
+            "back to back at that limit (energy paragraph below).") in text
+    del step["serving"]["part_energy"]
+    assert "need at most 70 J each (energy paragraph below)." in "\n".join(fast_path_targets(step, ATTENTION))
