@@ -271,6 +271,21 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
     return run
 
 
+UPKEEP_ROUNDS = 3  # the cache upkeep and its variants, timed in turns
+
+
+def _in_turns(fns: dict[str, Callable[[], None]], time_part: Callable[[Callable[[], None]], float],
+              rounds: int = 3) -> dict[str, float]:
+    """Each function's median time over `rounds` timings taken in turns. The GPU's clock drifts between timings
+    (it climbs back after a part that held the GPU at its power limit), and variants timed one after another
+    would each carry the drift of their place in the order."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            runs[name].append(time_part(fn))
+    return {name: statistics.median(times) for name, times in runs.items()}
+
+
 def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor, head_norm=None,
                    **write_options) -> Callable[[], None]:
     """One step of the triton ring's upkeep: the sink re-derived once, then a frame write per attention call
@@ -490,13 +505,15 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                         cache.attention(cache.q8, cache.k[layer], cache.vt[layer], cache.valid, cache.qk_scale[layer],
                                         cache.v_scale_out8[layer], cache.out8)
 
-            out["cache_upkeep_ms"] = time_part(upkeep)
-            # the frame write with the token blocks it had before (64 rows, 4 warps; now 16 rows, 8 warps)
-            out["cache_upkeep_ms_write_blocks_of_64"] = time_part(
-                _triton_upkeep(cache, full, q, head_norm=head_norm, block_t=64, num_warps=4))
-            if cache.v_positions is not None:  # what V's slots in the ws kernel's order cost the write
-                out["cache_upkeep_ms_v_in_slot_order"] = time_part(_triton_upkeep(cache, full, q, head_norm=head_norm,
-                                                                                  pv_order=False))
+            # The upkeep and its variants: the frame write with the token blocks it had before (64 rows, 4 warps; now
+            # 16 rows, 8 warps) and, where V's slots are in the ws kernel's order, what that order costs the write
+            upkeeps = {"cache_upkeep_ms": upkeep,
+                       "cache_upkeep_ms_write_blocks_of_64": _triton_upkeep(cache, full, q, head_norm=head_norm,
+                                                                            block_t=64, num_warps=4)}
+            if cache.v_positions is not None:
+                upkeeps["cache_upkeep_ms_v_in_slot_order"] = _triton_upkeep(cache, full, q, head_norm=head_norm,
+                                                                            pv_order=False)
+            out.update(_in_turns(upkeeps, time_part, rounds=UPKEEP_ROUNDS), upkeep_rounds=UPKEEP_ROUNDS)
             out["attention_ms"] = time_part(attend)
             out["reset_rotation_ms"] = statistics.median(time_ms(
                 lambda: delta_rotate(cache.k.view(L * Hh, S, D), cache._reset_cos_t, cache._reset_sin_t,

@@ -677,13 +677,14 @@ def main() -> None:
             out += ["With the attention's output in bf16 and quantised per row before the out-projection (its setting "
                     "before; above: written in e4m3 by the attention kernel; same weights, same run): "
                     f"{ms(s['step_ms_with_attention_out_bf16'])} ms per step, against {ms(s['step_ms'])} ms above.", ""]
+        turns = f", the variants timed in turns, median of {s['upkeep_rounds']}" if "upkeep_rounds" in s else ""
         if "cache_upkeep_ms_write_blocks_of_64" in s:
             out += ["With the frame write in blocks of 64 rows and 4 warps (its setting before; now 16 rows, 8 warps; "
-                    f"same run): cache upkeep {s['cache_upkeep_ms_write_blocks_of_64']:.2f} ms per step, against "
+                    f"same run{turns}): cache upkeep {s['cache_upkeep_ms_write_blocks_of_64']:.2f} ms per step, against "
                     f"{s['cache_upkeep_ms']:.2f} ms above.", ""]
         if "cache_upkeep_ms_v_in_slot_order" in s:
             out += ["With V's slots written in their own order rather than the warp-specialised kernel's (`pv_order=False`; "
-                    f"the attention would then read them wrongly; same run): cache upkeep "
+                    f"the attention would then read them wrongly; same run{turns}): cache upkeep "
                     f"{s['cache_upkeep_ms_v_in_slot_order']:.2f} ms per step, against {s['cache_upkeep_ms']:.2f} ms above.", ""]
         no_ws, ws = load("step_57b_tp3_h200_gemm_workspace_0.json"), load("step_57b_tp3_h200_gemm_workspace_1024.json")
         if no_ws and ws:
