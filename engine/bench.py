@@ -15,7 +15,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -26,6 +26,8 @@ from engine.gpu_energy import EnergyMeter, EnergyWindow
 from engine.model import CausalVideoDiT
 from engine.parallel import shard_model_
 from engine.weights import pick_device
+
+T = TypeVar("T")
 
 
 def _sync(device: torch.device) -> None:
@@ -272,17 +274,17 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
 
 
 UPKEEP_ROUNDS = 3  # the cache upkeep and its variants, timed in turns
+FLIP_ROUNDS = 3  # the step with one setting flipped and the served step, timed in turns
 
 
-def _in_turns(fns: dict[str, Callable[[], None]], time_part: Callable[[Callable[[], None]], float],
-              rounds: int = 3) -> dict[str, float]:
-    """Each function's median time over `rounds` timings taken in turns. The GPU's clock drifts between timings
+def _in_turns(subjects: dict[str, T], time_one: Callable[[T], float], rounds: int = 3) -> dict[str, float]:
+    """Each subject's median time over `rounds` timings taken in turns. The GPU's clock drifts between timings
     (it climbs back after a part that held the GPU at its power limit), and variants timed one after another
     would each carry the drift of their place in the order."""
-    runs: dict[str, list[float]] = {name: [] for name in fns}
+    runs: dict[str, list[float]] = {name: [] for name in subjects}
     for _ in range(rounds):
-        for name, fn in fns.items():
-            runs[name].append(time_part(fn))
+        for name, subject in subjects.items():
+            runs[name].append(time_one(subject))
     return {name: statistics.median(times) for name, times in runs.items()}
 
 
@@ -332,6 +334,13 @@ def _graph_stats(graph_times: list[dict], suffix: str = "") -> dict:
             f"graph_launch_lag_ms{suffix}": statistics.median(g["launch_lag_ms"] for g in graph_times)}
 
 
+def _warm_up(session, audio: torch.Tensor, steps: int) -> None:
+    """`steps` untimed steps (a graph session captures its graph in the first)."""
+    for _ in range(steps):
+        session.push_audio_features(audio)
+        session.step()
+
+
 def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: torch.device, *, resets: bool,
                  before_step: Callable[[], None] | None = None, reset_needed: bool = True,
                  energy: EnergyWindow | None = None, graph_times: list[dict] | None = None) -> tuple[list[float], list[float]]:
@@ -339,9 +348,7 @@ def _timed_steps(session, audio: torch.Tensor, steps: int, warmup: int, device: 
     (within two reset periods) until one reset step was timed too, unless `reset_needed` is False.
     `energy`, if given, is entered around the timed steps (not the warm-up); `graph_times` collects the
     steady steps' graph timings (`_session_steps`)."""
-    for _ in range(warmup):
-        session.push_audio_features(audio)
-        session.step()
+    _warm_up(session, audio, warmup)
     times: list[float] = []
     reset_times: list[float] = []
     every = session.cache.reset_every if resets else 0
@@ -450,9 +457,14 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         if fast:  # the same session with its steps started at the real-time cadence
             out.update(_paced_step_stats(session, audio, steps, device, meter))
 
-        def median_step_ms(other: EngineSession) -> float:  # a fresh session on the same weights: its own graph
+        def time_flipped(other: EngineSession, key: str) -> None:
+            """`other`, a fresh session on the same weights with one setting flipped, started and warmed up (its graph
+            captured with the setting), then timed in turns with the served session, each replaying its own graph, so
+            that the clock's drift falls on both alike: `key` is its median step, `key`_serving the served one's."""
             other.start(ref_latent)
-            return statistics.median(_timed_steps(other, audio, steps, warmup, device, resets=False)[0])
+            _warm_up(other, audio, warmup)
+            median = lambda s: statistics.median(_timed_steps(s, audio, steps, 0, device, resets=False)[0])
+            out.update(_in_turns({key: other, f"{key}_serving": session}, median, rounds=FLIP_ROUNDS))
 
         if fast:  # the same weights with one setting flipped
             from engine.kernels.fp8_linear import BLOCK_LINEARS
@@ -461,7 +473,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             for name, on, objects in (("branch_streams", branch_streams, model.blocks), ("fast_accum", fast_accum, linears)):
                 for o in objects:
                     setattr(o, name, not on)
-                out[f"step_ms_{'without' if on else 'with'}_{name}"] = median_step_ms(serving())
+                time_flipped(serving(), f"step_ms_{'without' if on else 'with'}_{name}")
                 for o in objects:
                     setattr(o, name, on)
             # MLP-in's FP8 product on the other kernel (cuBLAS, or Triton with SwiGLU in its epilogue); then all four on Triton
@@ -473,15 +485,17 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                 before = [o.gemm_kernel for o in chosen]
                 for o in chosen:
                     o.gemm_kernel = kernel
-                out[f"step_ms_with_{label}"] = median_step_ms(serving())
+                time_flipped(serving(), f"step_ms_with_{label}")
                 for o, kernel_before in zip(chosen, before):
                     o.gemm_kernel = kernel_before
             out["attention_kernel"] = session.cache.attention_kernel
             if session.cache.attention_kernel == "ws":  # and with the Triton FP8 attention kernel instead
-                out["step_ms_with_triton_attention"] = median_step_ms(serving({"kernel": "triton"}))
+                time_flipped(serving({"kernel": "triton"}), "step_ms_with_triton_attention")
             bf16_out = serving()  # the attention's output in bf16, quantised per row before the out-projection
             bf16_out.cache.e4m3_out = False
-            out["step_ms_with_attention_out_bf16"] = median_step_ms(bf16_out)
+            time_flipped(bf16_out, "step_ms_with_attention_out_bf16")
+            del bf16_out
+            out["flip_rounds"] = FLIP_ROUNDS
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
         gemms = _gemms_of_a_step(model, full, device, dtype)

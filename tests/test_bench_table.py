@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from bench_table import fa3_attention, fast_path_targets, part_energy  # noqa: E402
+from bench_table import against, fa3_attention, fast_path_targets, part_energy  # noqa: E402
 
 
 def probe_result(fa3_us: float) -> dict:
@@ -82,3 +82,13 @@ def test_the_step_target_names_what_the_gemms_and_attention_take_of_a_100_ms_ste
             "back to back at that limit (energy paragraph below).") in text
     del step["serving"]["part_energy"]
     assert "need at most 70 J each (energy paragraph below)." in "\n".join(fast_path_targets(step, ATTENTION))
+
+
+def test_a_flipped_setting_is_set_against_the_served_step_timed_in_turns_with_it_where_the_run_did_so():
+    s = {"step_ms": 103.0, "step_ms_with_triton_attention": 109.0}
+    assert against(s, "step_ms_with_triton_attention") == "against 103.0 ms above"
+    s["step_ms_with_triton_attention_serving"] = 102.6
+    assert against(s, "step_ms_with_triton_attention") == "against 102.6 ms for the served setting, the two timed in turns"
+    # FA3's net saving takes the bf16 output's cost from the same turns: 105.5 - 104.5, not 105.5 - 105.0
+    paired = {"serving": {**STEP["serving"], "step_ms_with_attention_out_bf16_serving": 104.5}}
+    assert "puts that difference at 1.00 ms a step" in "\n".join(fa3_attention(probe_result(50.0), paired))
