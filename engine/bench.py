@@ -277,15 +277,20 @@ UPKEEP_ROUNDS = 3  # the cache upkeep and its variants, timed in turns
 FLIP_ROUNDS = 3  # the step with one setting flipped and the served step, timed in turns
 
 
-def _in_turns(subjects: dict[str, T], time_one: Callable[[T], float], rounds: int = 3) -> dict[str, float]:
-    """Each subject's median time over `rounds` timings taken in turns. The GPU's clock drifts between timings
-    (it climbs back after a part that held the GPU at its power limit), and variants timed one after another
-    would each carry the drift of their place in the order."""
+def timings_in_turns(subjects: dict[str, T], time_one: Callable[[T], float], rounds: int) -> dict[str, list[float]]:
+    """Each subject's `rounds` timings, taken in turns. The GPU's clock drifts between timings (it climbs back
+    after a part that held the GPU at its power limit), and variants timed one after another would each carry
+    the drift of their place in the order."""
     runs: dict[str, list[float]] = {name: [] for name in subjects}
     for _ in range(rounds):
         for name, subject in subjects.items():
             runs[name].append(time_one(subject))
-    return {name: statistics.median(times) for name, times in runs.items()}
+    return runs
+
+
+def _in_turns(subjects: dict[str, T], time_one: Callable[[T], float], rounds: int) -> dict[str, float]:
+    """Each subject's median over `rounds` timings taken in turns (`timings_in_turns`)."""
+    return {name: statistics.median(times) for name, times in timings_in_turns(subjects, time_one, rounds).items()}
 
 
 def _triton_upkeep(cache: RingKVCache, spec: ModelSpec, q: torch.Tensor, head_norm=None,

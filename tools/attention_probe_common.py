@@ -5,7 +5,7 @@ import statistics
 
 import torch
 
-from engine.bench import attention_inputs, event_ms, graph_call_ms
+from engine.bench import attention_inputs, event_ms, graph_call_ms, timings_in_turns
 from engine.kernels.fp8_attention import attention_reference
 
 H, M, S, D, LIVE = 20, 757, 5824, 128, 5785
@@ -43,11 +43,13 @@ def time_in_turns(runs: dict, dev: torch.device, repeats: int, rel_err) -> dict:
         except Exception as e:
             timing[name] = f"launched from Python, 20 calls between events (capture failed: {type(e).__name__})"
             torch.cuda.synchronize()
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, (fn, _) in runs.items():
-            ms = graph_call_ms(fn, dev, 3) if timing[name].startswith("CUDA") else event_ms(fn, dev, 20)
-            times[name].append(1000 * ms)
+
+    def time_one(run: tuple) -> float:  # (call, whether it runs as a graph) -> us
+        fn, graphed = run
+        return 1000 * (graph_call_ms(fn, dev, 3) if graphed else event_ms(fn, dev, 20))
+
+    graphed = {name: (fn, timing[name].startswith("CUDA")) for name, (fn, _) in runs.items()}
+    times = timings_in_turns(graphed, time_one, repeats)
     result = {}
     for name, (fn, output) in runs.items():
         fn()
