@@ -774,15 +774,19 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
 
 def grid_fill(best: dict, M: int, S: int, D: int, valid: torch.Tensor, device: torch.device, repeats: int) -> dict:
     """The fastest ws configuration on the same queries and slots with the head count changed, so that its programs
-    fill the GPU once, exactly (every SM holding as many as it can: two at block_m 64), or just past that: how
+    fill the GPU once, exactly (every SM holding as many as it can, `programs_per_sm`), or just past that: how
     much of the production call's time comes from how its programs spread over the SMs."""
     from engine.kernels import make_attention
     from engine.kernels.fp8_attention import qk_scale
+    from engine.kernels.fp8_attention_ws import HOPPER_SM, compile_for_hopper, programs_per_sm
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = 2 if best["block_m"] == 64 else 1  # programs an SM holds (registers, shared memory)
-    m_blocks = -(-M // best["block_m"])
+    props = torch.cuda.get_device_properties(device)
+    sms = props.multi_processor_count
     options = {k: v for k, v in best.items() if k not in ("us", "rel_err", "kernel")}
+    sm = {**HOPPER_SM, "shared_bytes": props.shared_memory_per_multiprocessor,
+          "threads": props.max_threads_per_multi_processor}
+    per_sm = programs_per_sm(compile_for_hopper(D, **options), sm)  # registers, shared memory, threads
+    m_blocks = -(-M // best["block_m"])
     rows = []
     for heads in sorted({max(1, sms // m_blocks), -(-per_sm * sms // m_blocks), -(-per_sm * sms // m_blocks) + 1}):
         _, (q8, k8, vt8), scale = attention_inputs(heads, M, S, D, device, seed=1)

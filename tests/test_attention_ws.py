@@ -20,7 +20,8 @@ pytest.importorskip("triton.experimental.gluon")
 from engine import fp8  # noqa: E402
 from engine.kernels import attention_kernel  # noqa: E402
 from engine.kernels.fp8_attention import attention_reference, qk_scale  # noqa: E402
-from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention, compile_for_hopper, pv_slot_order  # noqa: E402
+from engine.kernels.fp8_attention_ws import (HOPPER_SM, WarpSpecializedFP8Attention, compile_for_hopper,  # noqa: E402
+                                             programs_per_sm, pv_slot_order)
 from tests.helpers import rms_heads  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -59,7 +60,18 @@ def test_builds_for_hopper_with_async_tensor_cores_and_few_spills(block_m, block
     assert "setmaxnreg" in ptx  # producer warp gives its registers to the consumers
     assert "cp.async.bulk.tensor" in ptx  # TMA loads
     assert spill_store_bytes(ptx) <= spills
-    assert kernel.metadata.shared * (2 if block_m == 64 else 1) <= 227 * 1024  # two programs per SM at block_m 64
+    assert programs_per_sm(kernel) == (2 if block_m == 64 else 1)  # two programs per SM at block_m 64
+
+
+def test_programs_per_sm_takes_the_scarcest_of_registers_shared_memory_and_threads():
+    kernel = compile_for_hopper(128, block_m=64, block_n=128, stages=2)  # 8 warps at 128 registers, ~72 KiB shared
+    md = kernel.metadata
+    assert (md.num_warps, md.maxnreg) == (8, 128)
+    assert programs_per_sm(kernel) == 2  # registers: 65536 / (128 x 256)
+    more_registers = {**HOPPER_SM, "registers": 4 * 65536}
+    assert programs_per_sm(kernel, more_registers) == 233472 // (md.shared + 1024) == 3  # then shared memory
+    assert programs_per_sm(kernel, {**more_registers, "shared_bytes": md.shared + 1024}) == 1
+    assert programs_per_sm(kernel, {**more_registers, "shared_bytes": 10 * 233472, "threads": 256}) == 1
 
 
 def test_v_slot_order_puts_each_thread_s_probabilities_where_its_operand_registers_read_them():

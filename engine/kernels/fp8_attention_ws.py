@@ -393,3 +393,18 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
                  "num_warps": att.num_warps}
     return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": att.num_warps, "maxnreg": att.maxnreg, **FP_FUSION})
+
+
+# An sm_90 SM: 64K 32-bit registers, 228 KiB of shared memory (1 KiB of it reserved by the driver per program), 2048 threads
+HOPPER_SM = {"registers": 65536, "shared_bytes": 233472, "reserved_shared_bytes": 1024, "threads": 2048}
+
+
+def programs_per_sm(kernel, sm: dict[str, int] = HOPPER_SM) -> int:
+    """How many programs of a compiled kernel (`compile_for_hopper`) one SM holds at once, from what each claims at
+    launch: its threads times the registers it is launched with (`.maxnreg`; the warp-specialised partitions
+    trade registers among themselves within that), and its shared memory."""
+    md = kernel.metadata
+    threads = 32 * md.num_warps
+    regs = -(-md.maxnreg // 8) * 8  # registers are allotted per thread in steps of 8
+    return min(sm["registers"] // (regs * threads), sm["shared_bytes"] // (md.shared + sm["reserved_shared_bytes"]),
+               sm["threads"] // threads)
