@@ -1,12 +1,13 @@
 """What the probes of other libraries' FP8 attention share (tools/cudnn_attention_probe.py,
 tools/fa3_attention_probe.py): the production-shape inputs with exact attention over them, SDPA in bf16 on
-the same values, and the timing of several kernels in turns."""
+the same values, the engine's warp-specialised kernel on them, and the timing of several kernels in turns."""
 import statistics
 
 import torch
 
 from engine.bench import attention_inputs, event_ms, graph_call_ms, timings_in_turns
-from engine.kernels.fp8_attention import attention_reference
+from engine.kernels.fp8_attention import attention_reference, qk_scale
+from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
 
 H, M, S, D, LIVE = 20, 757, 5824, 128, 5785
 SHAPE = {"heads": H, "queries": M, "slots": S, "live": LIVE, "head_dim": D}
@@ -29,6 +30,17 @@ def sdpa_bf16_run(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, sc: torc
     qb, kb, vb = (x.float().mul(sc.view(H, 1, 1)).bfloat16()[None] for x in (q8, k8[:, :LIVE], v8[:, :LIVE]))
     call = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
     return call, lambda: call()[0].transpose(0, 1).reshape(M, H * D)
+
+
+def ws_fp8_run(q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, valid: torch.Tensor, sc: torch.Tensor,
+               **options) -> tuple:
+    """(call, output) of the engine's warp-specialised FP8 kernel on the same values (`options`: its tile options;
+    none: as the ring cache serves it)."""
+    ws = WarpSpecializedFP8Attention(H, M, S, D, q8.device, **options)
+    ws.mark_live_tiles(valid)
+    vt_ws, out = ws.arrange_v(vt8), torch.empty(M, H * D, device=q8.device, dtype=torch.bfloat16)
+    qks = qk_scale(sc, sc, D)
+    return lambda: ws(q8, k8, vt_ws, valid, qks, sc, out), lambda: out
 
 
 def time_in_turns(runs: dict, dev: torch.device, repeats: int, rel_err) -> dict:

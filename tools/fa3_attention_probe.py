@@ -19,12 +19,10 @@ import os
 import torch
 import triton
 
-from attention_probe_common import D, H, LIVE, M, S, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns
+from attention_probe_common import D, H, LIVE, M, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns, ws_fp8_run
 from engine.bench import sustained_energy
 from engine.config import get_spec
 from engine.gpu_energy import EnergyMeter
-from engine.kernels.fp8_attention import qk_scale
-from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
 
 dev = torch.device("cuda")
 REPEATS = 5
@@ -39,11 +37,7 @@ def main() -> dict:
     q8, k8, v8, vt8, valid, sc, rel_err = probe_inputs(dev)
 
     runs = {"sdpa_bf16": sdpa_bf16_run(q8, k8, v8, sc)}
-    ws = WarpSpecializedFP8Attention(H, M, S, D, dev)  # the served configuration
-    ws.mark_live_tiles(valid)
-    vt_ws, out = ws.arrange_v(vt8), torch.empty(M, H * D, device=dev, dtype=torch.bfloat16)
-    qks = qk_scale(sc, sc, D)
-    runs["ws_fp8"] = (lambda: ws(q8, k8, vt_ws, valid, qks, sc, out), lambda: out)
+    runs["ws_fp8"] = ws_fp8_run(q8, k8, vt8, valid, sc)  # the served configuration
 
     descale = sc.view(1, H).float().contiguous()  # (batch, heads)
     bshd = lambda x: x.transpose(0, 1).unsqueeze(0)  # (H, n, D) -> (1, n, H, D), a view
