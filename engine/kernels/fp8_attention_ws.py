@@ -20,7 +20,7 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   a row's max passes it (a warpgroup-wide vote each block, the rescale skipped otherwise) was much slower;
   moving a row's reference only when its max passes it by τ and skipping the accumulator's rescale in every
   warp none of whose rows moved (a warp vote and a uniform branch in inline PTX, no warpgroup barrier) took
-  1.5% off at τ = 3 and added 3% at τ = 1 at the production shape on an H200, so it was not kept;
+  at most 1.5% off (τ = 3) and added 2-3.5% at τ = 1 at the production shape on an H200, so it was not kept;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
   own that share every K/V tile (half the tile traffic, more registers each; it measured no faster),
