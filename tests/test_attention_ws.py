@@ -21,7 +21,7 @@ from engine import fp8  # noqa: E402
 from engine.kernels import attention_kernel  # noqa: E402
 from engine.kernels.fp8_attention import attention_reference, qk_scale  # noqa: E402
 from engine.kernels.fp8_attention_ws import (HOPPER_SM, WarpSpecializedFP8Attention, compile_for_hopper,  # noqa: E402
-                                             programs_per_sm, pv_slot_order)
+                                             e4m3_log_linear, programs_per_sm, pv_slot_order)
 from tests.helpers import rms_heads  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -108,8 +108,12 @@ def test_refuses_shapes_it_cannot_run():
         WarpSpecializedFP8Attention(2, 70, 320, 16)
     with pytest.raises(ValueError, match="pingpong takes two consumer warpgroups: block_m 128"):
         WarpSpecializedFP8Attention(2, 70, 320, 128, block_m=64, pingpong=True)
-    with pytest.raises(ValueError, match="exp2 must be one of mufu, fma, mixed, got 'sfu'"):
+    with pytest.raises(ValueError, match="exp2 must be one of mufu, fma, mixed, e4m3_bits, got 'sfu'"):
         WarpSpecializedFP8Attention(2, 70, 320, 128, exp2="sfu")
+    with pytest.raises(ValueError, match="row_sum must be fma or tensor, got 'sfu'"):
+        WarpSpecializedFP8Attention(2, 70, 320, 128, row_sum="sfu")
+    with pytest.raises(ValueError, match="exp2 e4m3_bits writes P as e4m3 bits only: it takes row_sum='tensor'"):
+        WarpSpecializedFP8Attention(2, 70, 320, 128, exp2="e4m3_bits")
 
 
 def test_exp2_on_the_fma_units_takes_the_probabilities_off_the_special_function_unit():
@@ -121,6 +125,33 @@ def test_exp2_on_the_fma_units_takes_the_probabilities_off_the_special_function_
     assert ex2["mufu"] - ex2["fma"] == per_thread
     assert ex2["mixed"] - ex2["fma"] == per_thread // 2
     assert ex2["fma"] <= 4  # the rescale factors: 2 rows a thread, two sites
+
+
+def test_e4m3_bits_are_within_7_5_percent_of_2_to_the_x_over_e4m3_s_normal_range():
+    """The log-linear code against exact 2^x: within -7.1%/+7.5% where the code is normal (x >= -6; the nearest
+    e4m3 is within 5.9% there), at most 2^-6 below it (2^-14 of the largest, 256), 0 at -inf; never decreasing."""
+    x = torch.linspace(-6, 8, 200001)
+    ratio = e4m3_log_linear(x) / torch.exp2(x)
+    assert 0.928 <= ratio.min().item() and ratio.max().item() <= 1.075
+    low = torch.linspace(-60, -6, 1001)
+    assert e4m3_log_linear(low).max().item() <= 2 ** -6
+    assert e4m3_log_linear(torch.tensor([float("-inf")])).item() == 0.0 and e4m3_log_linear(torch.tensor([8.0])).item() == 256.0
+    grid = torch.linspace(-10, 8, 10001)
+    assert (e4m3_log_linear(grid).diff() >= 0).all()
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_e4m3_bits_and_tensor_core_row_sums_leave_the_special_function_unit_the_rescale_factors(block_m):
+    """row_sum="tensor" adds a P·1 product with 8 columns (m64n8k32) beside P·V and drops the adds of P;
+    exp2="e4m3_bits" computes P by saturating FMAs, leaving ex2 to the rescale factors."""
+    build = lambda **kw: compile_for_hopper(128, block_m=block_m, block_n=128, stages=2, **kw).asm["ptx"]
+    plain, summed, bits = build(), build(row_sum="tensor"), build(row_sum="tensor", exp2="e4m3_bits")
+    assert "m64n8k32" not in plain and "m64n8k32" in summed and "m64n8k32" in bits
+    assert plain.count("add.f32") - summed.count("add.f32") >= 2 * 62 * (block_m // 64)  # 2 rows of 32 a thread, two sites
+    assert "fma.rn.sat.f32" in bits and "fma.rn.sat.f32" not in summed
+    assert bits.count("ex2.approx") <= 4 * (block_m // 64) < plain.count("ex2.approx")
+    assert bits.count("cvt.rn.satfinite.e4m3x2.f32") < plain.count("cvt.rn.satfinite.e4m3x2.f32")
+    assert spill_store_bytes(bits) <= (0 if block_m == 64 else 72)  # Triton 3.6's build: none; 3.9's spills 72 bytes at 128
 
 
 def test_kernel_choice():
@@ -227,6 +258,38 @@ def test_exp2_on_the_fma_units_matches_exact_attention_and_the_special_function_
     assert torch.isfinite(out).all()
     assert ((out - ref).norm() / ref.norm()).item() <= 3e-2
     assert ((out - sfu).norm() / sfu.norm()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("block_m, S", [(64, 5824), (128, 5824), (128, 320)])
+def test_tensor_core_row_sums_and_e4m3_bits_match_exact_attention(block_m, S):
+    """Row sums from the tensor cores (of the e4m3 P that P·V reads): within the same 3% of exact attention and
+    within 1% of the kernel's FP32 sums. With 2^x as log-linear e4m3 codes (up to 7.5% off 2^x where nearest
+    rounding is 5.9% off): within 4% of exact attention, and within 1.5% with scores four times as sharp."""
+    g = torch.Generator().manual_seed(5)
+    H, M, D, dev = 3, 70, 128, torch.device("cuda")
+    scale = fp8.per_head_scale(torch.rand(H, D, generator=g).to(dev) + 0.5)
+    q, k = rms_heads(g, H, M, D).to(dev), rms_heads(g, H, S, D).to(dev)
+    k8 = fp8.quantize(k, scale)
+    vt8 = fp8.quantize(rms_heads(g, H, S, D).to(dev), scale).transpose(1, 2).contiguous()
+    valid = torch.ones(S, dtype=torch.int8, device=dev)
+    valid[40:130] = 0
+    for sharpness, bits_tolerance in ((1.0, 4e-2), (4.0, 1.5e-2)):
+        q_scale = fp8.per_head_scale((sharpness * q).abs().amax(1))
+        q8 = fp8.quantize(sharpness * q, q_scale)
+        outs = {}
+        for options in ({}, {"row_sum": "tensor"}, {"row_sum": "tensor", "exp2": "e4m3_bits"}):
+            attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=128, stages=2, **options)
+            attention.mark_live_tiles(valid)
+            out = torch.full((M, H * D), float("nan"), dtype=torch.bfloat16, device=dev)
+            attention(q8, k8, attention.arrange_v(vt8), valid, qk_scale(q_scale, scale, D), scale, out)
+            assert torch.isfinite(out).all()
+            outs[options.get("exp2", options.get("row_sum", "fma"))] = out.float()
+        ref = attention_reference(q8, k8, vt8, valid, q_scale, scale, scale)
+        err = lambda out, want: ((out - want).norm() / want.norm()).item()
+        assert err(outs["tensor"], ref) <= 3e-2 and err(outs["tensor"], outs["fma"]) <= 1e-2
+        assert err(outs["e4m3_bits"], ref) <= bits_tolerance
 
 
 @pytest.mark.gpu

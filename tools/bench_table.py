@@ -612,7 +612,8 @@ def part_energy(parts: dict, step_joules: float, limit_w: float) -> str:
 
 
 # how the attention section names the ws kernel's `exp2` variants
-WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on the FMA units (exp2=fma)"}
+WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on the FMA units (exp2=fma)",
+           "e4m3_bits": ", 2^x as log-linear e4m3 codes (exp2=e4m3_bits)"}
 
 
 def main() -> None:
@@ -765,7 +766,7 @@ def main() -> None:
                 f"| SDPA, bf16 | {att['sdpa_bf16_us']:.1f} | {att['sdpa_tflops']:.0f} | 1.00x |"]
         flops = att["fp8_tflops"] * best["us"]
         names = {"triton": "Triton FP8", "ws": "warp-specialised FP8 (Gluon, Hopper)"}
-        from engine.bench import fastest_correct  # the benchmark's own rule: fastest within the tests' tolerance
+        from engine.bench import ATTENTION_REL_ERR, fastest_correct  # the benchmark's own rule: fastest within the tests' tolerance
 
         for kernel, name in names.items():
             try:
@@ -841,8 +842,10 @@ def main() -> None:
                     + "; ".join(f"{c['block_m']}x{c['block_n']}, {c['stages']} stages{', ping-pong' if c.get('pingpong') else ''}"
                                 f"{', P shuffled (renamed_p=False)' if c.get('renamed_p') is False else ''}"
                                 f"{', row maxima by the plain reduction (tree_max=False)' if c.get('tree_max') is False else ''}"
+                                f"{', row sums on the tensor cores (row_sum=tensor)' if c.get('row_sum') == 'tensor' else ''}"
                                 f"{WS_EXP2.get(c.get('exp2', 'mufu'), '')}: "
-                                f"{c['us']:.1f} us" for c in ws) + ". Ping-pong: the two consumer warpgroups of a 128-row program "
+                                f"{c['us']:.1f} us" + (f" ({100 * c['rel_err']:.2f}% off exact)" if c.get('exp2') == 'e4m3_bits' else '')
+                                for c in ws) + ". Ping-pong: the two consumer warpgroups of a 128-row program "
                     "issue their products in turns (FlashAttention-3's schedule), so one's softmax runs under the other's products. "
                     "P shuffled: the probabilities move between threads into the layout of the P·V product's FP8 operand at every "
                     "block, V's slots in their own order; the default renames P's columns in its registers instead and the cache "
@@ -851,7 +854,15 @@ def main() -> None:
                     "comparisons per row (same maxima, same output)."
                     + (" 2^x on the FMA units: the softmax's exponentials computed by a quadratic and an add into the "
                        "exponent bits (fp8_attention.py's `_exp2_fma`), about six FMA and integer instructions in the place "
-                       "of one on the special-function unit." if any(c.get("exp2", "mufu") != "mufu" for c in ws) else ""), ""]
+                       "of one on the special-function unit." if any(c.get("exp2", "mufu") in ("fma", "mixed") for c in ws) else "")
+                    + (" Row sums on the tensor cores: a P·1 product (8 columns of ones) beside P·V, added in FP32 each block, "
+                       "in place of the softmax's adds. Log-linear e4m3 codes: 2^x written as the e4m3 code round(8x + 56 - 0.35) "
+                       "by two FMAs, one saturating (`e4m3_log_linear`; up to 7.5% off 2^x where e4m3's nearest value is 5.9% "
+                       "off), so no special-function or conversion instruction per probability; its error against exact "
+                       "attention is given with it, against the others' "
+                       f"{100 * max(c['rel_err'] for c in ws if c.get('exp2', 'mufu') != 'e4m3_bits'):.2f}% at most (the "
+                       f"fastest above is picked among those within {100 * ATTENTION_REL_ERR:.0f}%)."
+                       if any(c.get("row_sum") == "tensor" for c in ws) else ""), ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:
         out += ["## Step period with the decoder in its own process", "",
