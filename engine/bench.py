@@ -498,8 +498,13 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                 for o, kernel_before in zip(chosen, before):
                     o.gemm_kernel = kernel_before
             out["attention_kernel"] = session.cache.attention_kernel
+            out["attention_kernel_options"] = session.cache.attention_options
             if session.cache.attention_kernel == "ws":  # and with the Triton FP8 attention kernel instead
                 time_flipped(serving({"kernel": "triton"}), "step_ms_with_triton_attention")
+                if session.cache.attention_options.get("exp2") == "e4m3_bits":  # and with P nearest 2^x
+                    from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS
+
+                    time_flipped(serving({"kernel": "ws", **NEAREST_P_OPTIONS}), "step_ms_with_attention_p_nearest")
             bf16_out = serving()  # the attention's output in bf16, quantised per row before the out-projection
             bf16_out.cache.e4m3_out = False
             time_flipped(bf16_out, "step_ms_with_attention_out_bf16")
@@ -658,14 +663,23 @@ def bench_step_group(spec_name: str, world: int, steps: int, warmup: int) -> dic
 
 
 ATTENTION_REL_ERR = 3e-2  # relative error against attention_reference that tests/test_attention_ws.py allows
+# ... and for P as log-linear e4m3 codes (exp2="e4m3_bits"), whose change to the served clips is within the
+# rerun band (docs/quality.md): the bound its own test states
+ATTENTION_REL_ERR_LOG_LINEAR = 4e-2
+
+
+def attention_error_bound(config: dict) -> float:
+    """The relative error against exact attention a configuration may have and still be picked."""
+    return ATTENTION_REL_ERR_LOG_LINEAR if config.get("exp2") == "e4m3_bits" else ATTENTION_REL_ERR
 
 
 def fastest_correct(configs: list[dict]) -> dict:
     """The fastest timed configuration whose output matched the reference; a fast but wrong one is
     listed in the results, never chosen."""
-    ok = [c for c in configs if "us" in c and c["rel_err"] <= ATTENTION_REL_ERR]
+    ok = [c for c in configs if "us" in c and c["rel_err"] <= attention_error_bound(c)]
     if not ok:
-        raise RuntimeError(f"no attention configuration matched the reference within {ATTENTION_REL_ERR}: {configs}")
+        raise RuntimeError(f"no attention configuration matched the reference within its bound "
+                           f"({ATTENTION_REL_ERR}, log-linear P {ATTENTION_REL_ERR_LOG_LINEAR}): {configs}")
     return min(ok, key=lambda c: c["us"])
 
 

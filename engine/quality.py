@@ -299,6 +299,12 @@ def drift_verdict(report: dict, limits: dict | None = None) -> dict:
 
 
 # Engine configurations ---------------------------------------------------------------------
+# attention_p: how the ws kernel writes P (options of engine/kernels/fp8_attention_ws.py; auto: the cache's served ones)
+ATTENTION_P_OPTIONS: dict[str, dict] = {"auto": {}, "nearest": {"exp2": "mufu", "row_sum": "fma"},
+                                        "log-linear": {"exp2": "e4m3_bits", "row_sum": "tensor"}}
+ATTENTION_P = tuple(ATTENTION_P_OPTIONS)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine settings a clip is made under: a named preset plus key=value overrides."""
@@ -308,6 +314,9 @@ class EngineConfig:
     kv_dtype: str = "fp8"  # ring cache storage (the reference cache keeps float K/V)
     backend: str = "torch"  # torch (SDPA over the ring) | triton (FP8 attention kernels)
     attention: str = "auto"  # with backend triton: auto | triton | ws (the warp-specialised Hopper kernel)
+    # with attention ws: how P is written, as the kernel serves it (auto: log-linear), or nearest (the e4m3 value
+    # nearest 2^x) or log-linear (2^x written as codes by two FMAs, row sums on the tensor cores) named
+    attention_p: str = "auto"
     gemm: str = "plain"  # plain | fp8 (block linears in FP8) | fp8-fast (and the tensor cores' fast accumulation)
     cuda_graph: bool = False
     tp: int = 1  # tensor-parallel degree: processes (gloo on CPU, one GPU each on CUDA)
@@ -324,6 +333,7 @@ class EngineConfig:
         extra += ["fused_allreduce"] if self.fused_allreduce else []
         extra += [f"decoder_gpu={self.decoder_gpu}"] if self.decoder_gpu is not None else []
         extra += [f"attention={self.attention}"] if self.backend == "triton" else []
+        extra += [f"attention_p={self.attention_p}"] if self.attention_p != "auto" else []
         extra += ["cuda_graph"] if self.cuda_graph else []
         extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
         extra += ["adaptive_lead"] if self.adaptive_lead else []
@@ -419,7 +429,7 @@ def check_config(config: EngineConfig, spec=None) -> None:
     c = config
     for key, value, choices in (("cache", c.cache, CACHES), ("kv_dtype", c.kv_dtype, tuple(KV_DTYPES)),
                                 ("backend", c.backend, BACKENDS), ("gemm", c.gemm, GEMM_MODES),
-                                ("attention", c.attention, ATTENTION_KERNELS)):
+                                ("attention", c.attention, ATTENTION_KERNELS), ("attention_p", c.attention_p, ATTENTION_P)):
         if value not in choices:
             raise ValueError(f"config {c.name}: {key} must be one of {', '.join(choices)}, got {value!r}")
     if not (c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())):
@@ -446,6 +456,8 @@ def check_config(config: EngineConfig, spec=None) -> None:
             raise ValueError(f"config {c.name}: cuda_graph needs backend=triton on a CUDA device")
     if c.attention != "auto" and c.backend != "triton":
         raise ValueError(f"config {c.name}: attention={c.attention} picks a kernel of backend=triton, not of backend={c.backend}")
+    if c.attention_p != "auto" and c.attention != "ws":
+        raise ValueError(f"config {c.name}: attention_p={c.attention_p} is an option of the ws kernel: add attention=ws")
     if c.attention == "ws" and not on_cuda:
         raise ValueError(f"config {c.name}: attention=ws (the warp-specialised Hopper kernel) needs a CUDA GPU")
     if c.backend == "triton" and not on_cuda:
@@ -488,7 +500,7 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     session_kwargs = dict(cache=config.cache, kv_dtype=config.kv_dtype, backend=config.backend,
                           reset_every=config.reset_every, cuda_graph=config.cuda_graph,
-                          attention_options={"kernel": config.attention})
+                          attention_options={"kernel": config.attention, **ATTENTION_P_OPTIONS[config.attention_p]})
     if config.tp > 1 or config.processes:
         from engine.distributed import DistributedEngine, Placement
 

@@ -45,6 +45,11 @@ def test_attention_bench_never_picks_a_fast_configuration_that_is_wrong():
     assert fastest_correct(configs) == configs[1]
     with pytest.raises(RuntimeError, match="no attention configuration matched the reference"):
         fastest_correct([configs[0], configs[2]])
+    # log-linear P is held to the bound its own test states (4%), the others to 3%
+    log_linear = {"kernel": "ws", "exp2": "e4m3_bits", "us": 53.0, "rel_err": 0.0303}
+    assert fastest_correct([*configs, log_linear]) == log_linear
+    assert fastest_correct([*configs, {**log_linear, "rel_err": 0.041}]) == configs[1]
+    assert fastest_correct([*configs, {**log_linear, "exp2": "mufu"}]) == configs[1]
 
 
 def test_generate_writes_a_playable_mp4_with_audio(tmp_path):

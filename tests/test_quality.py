@@ -173,6 +173,12 @@ def test_attention_kernel_choices_are_checked():
     assert "attention=auto" in parse_config("fp8-attention").describe()  # results name the rule that picked the kernel
     with pytest.raises(ValueError, match="attention must be one of auto, triton, ws, got 'flash'"):
         parse_config("fp8-attention,attention=flash")
+    with pytest.raises(ValueError, match="attention_p must be one of auto, nearest, log-linear, got 'linear'"):
+        parse_config("fp8-attention,attention=ws,attention_p=linear")
+    with pytest.raises(ValueError, match="attention_p=log-linear is an option of the ws kernel: add attention=ws"):
+        parse_config("fp8-attention,attention=triton,attention_p=log-linear")
+    with pytest.raises(ValueError, match="attention_p=nearest is an option of the ws kernel: add attention=ws"):
+        parse_config("fp8-attention,attention_p=nearest")
 
 
 def test_broken_config_files_are_named(tmp_path):

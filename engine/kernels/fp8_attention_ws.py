@@ -354,6 +354,14 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
+# What the ring cache serves when no options are given: P as log-linear e4m3 codes with row sums on the tensor
+# cores, two consumer warpgroups per program. Judged against the plain path by the rerun-variance method
+# (docs/quality.md); fastest at the production shape (`engine.bench attention`).
+SERVED_OPTIONS = dict(block_m=128, block_n=128, stages=2, row_sum="tensor", exp2="e4m3_bits")
+# The options before it: P as the e4m3 value nearest 2^x (the special-function unit's), row sums in FP32.
+NEAREST_P_OPTIONS = dict(block_m=64, block_n=128, stages=3, row_sum="fma", exp2="mufu")
+
+
 def descriptor_layouts(block_m: int, block_n: int, head_dim: int) -> tuple:
     """Shared-memory layouts of the q, K and Vᵀ tiles (128-byte swizzle where the rows allow)."""
     fp8 = gl.float8e4nv
