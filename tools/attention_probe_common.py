@@ -7,7 +7,7 @@ import torch
 
 from engine.bench import attention_inputs, event_ms, graph_call_ms, timings_in_turns
 from engine.kernels.fp8_attention import attention_reference, qk_scale
-from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
+from engine.kernels.fp8_attention_ws import SERVED_OPTIONS, WarpSpecializedFP8Attention
 
 H, M, S, D, LIVE = 20, 757, 5824, 128, 5785
 SHAPE = {"heads": H, "queries": M, "slots": S, "live": LIVE, "head_dim": D}
@@ -36,7 +36,7 @@ def ws_fp8_run(q8: torch.Tensor, k8: torch.Tensor, vt8: torch.Tensor, valid: tor
                **options) -> tuple:
     """(call, output) of the engine's warp-specialised FP8 kernel on the same values (`options`: its tile options;
     none: as the ring cache serves it)."""
-    ws = WarpSpecializedFP8Attention(H, M, S, D, q8.device, **options)
+    ws = WarpSpecializedFP8Attention(H, M, S, D, q8.device, **(options or SERVED_OPTIONS))
     ws.mark_live_tiles(valid)
     vt_ws, out = ws.arrange_v(vt8), torch.empty(M, H * D, device=q8.device, dtype=torch.bfloat16)
     qks = qk_scale(sc, sc, D)

@@ -466,7 +466,7 @@ def fa3_attention(r: dict | None, step: dict | None = None) -> list[str]:
     if not r:
         return []
     shape = r["shape"]
-    rows = [("SDPA, bf16", "sdpa_bf16"), ("warp-specialised FP8 (ours, as served)", "ws_fp8"),
+    rows = [("SDPA, bf16", "sdpa_bf16"), (f"warp-specialised FP8 ({probe_ws(r)}, as served then)", "ws_fp8"),
             ("FlashAttention-3 FP8, K and V copied to (batch, slot, head, dim), the live slots", "fa3_fp8"),
             ("FlashAttention-3 FP8, strided views of the same (head, slot, dim) buffers", "fa3_fp8_cache_views"),
             ("FlashAttention-3 FP8, its own choice of KV splits (`num_splits=0`)", "fa3_fp8_splits_auto"),
@@ -484,6 +484,12 @@ def fa3_attention(r: dict | None, step: dict | None = None) -> list[str]:
     out += ["", f"FlashAttention-3 is {r['ws_fp8']['us'] / fastest_fa3(r)['us']:.2f}x as fast as the engine's kernel here."
             + fa3_in_the_step(r, step) + " The engine does not call it; nor is FA3 on PyPI.", ""]
     return out
+
+
+def probe_ws(probe: dict) -> str:
+    """The engine kernel's configuration in a probe's run (probes before `ws_fp8_options` ran P nearest 2^x)."""
+    options = probe.get("ws_fp8_options")
+    return f"ours: {ws_options(options)}" if options is not None else "ours with P nearest 2^x, its setting when that ran"
 
 
 def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = None,
@@ -506,10 +512,10 @@ def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = 
             *[f"| {name} | {bound} | {value} | {'yes' if ok else 'no'} |" for name, bound, value, ok in rows], "",
             *([f"For scale on the attention target: cuDNN's own FP8 attention reaches "
                f"{cudnn['cudnn_fp8_prefix']['speedup_vs_sdpa_bf16']:.2f}x at this shape on this GPU, where ours reaches "
-               f"{cudnn['ws_fp8']['speedup_vs_sdpa_bf16']:.2f}x in the same run (FP8 attention section below).", ""]
+               f"{cudnn['ws_fp8']['speedup_vs_sdpa_bf16']:.2f}x in the same run ({probe_ws(cudnn)}; FP8 attention section below).", ""]
               if cudnn and "cudnn_fp8_prefix" in cudnn else []),
             *([f"FlashAttention-3's FP8 forward, built from source, reaches {fa3_best:.2f}x at this shape on this GPU, "
-               f"where ours reaches {fa3['ws_fp8']['speedup_vs_sdpa_bf16']:.2f}x in the same run"
+               f"where ours reaches {fa3['ws_fp8']['speedup_vs_sdpa_bf16']:.2f}x in the same run ({probe_ws(fa3)})"
                + (": the 1.6x bound is beyond what FlashAttention-3 reaches at this shape" if fa3_best < 1.6 else "")
                + " (FP8 attention section below).", ""]
               if fa3 and "fa3_fp8" in fa3 else []),

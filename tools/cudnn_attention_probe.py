@@ -32,7 +32,9 @@ def main() -> dict:
     q8, k8, v8, vt8, valid, sc, rel_err = probe_inputs(dev)
 
     runs = {"sdpa_bf16": sdpa_bf16_run(q8, k8, v8, sc)}
-    runs["ws_fp8"] = ws_fp8_run(q8, k8, vt8, valid, sc, block_m=64, stages=2)
+    ws_options = dict(block_m=64, stages=2)
+    runs["ws_fp8"] = ws_fp8_run(q8, k8, vt8, valid, sc, **ws_options)
+    result["ws_fp8_options"] = ws_options
 
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)

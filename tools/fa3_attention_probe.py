@@ -20,6 +20,7 @@ import torch
 import triton
 
 from attention_probe_common import D, H, LIVE, M, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns, ws_fp8_run
+from engine.kernels.fp8_attention_ws import SERVED_OPTIONS
 from engine.bench import sustained_energy
 from engine.config import get_spec
 from engine.gpu_energy import EnergyMeter
@@ -38,6 +39,7 @@ def main() -> dict:
 
     runs = {"sdpa_bf16": sdpa_bf16_run(q8, k8, v8, sc)}
     runs["ws_fp8"] = ws_fp8_run(q8, k8, vt8, valid, sc)  # the served configuration
+    result["ws_fp8_options"] = dict(SERVED_OPTIONS)
 
     descale = sc.view(1, H).float().contiguous()  # (batch, heads)
     bshd = lambda x: x.transpose(0, 1).unsqueeze(0)  # (H, n, D) -> (1, n, H, D), a view
