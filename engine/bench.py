@@ -663,8 +663,9 @@ def bench_step_group(spec_name: str, world: int, steps: int, warmup: int) -> dic
 
 
 ATTENTION_REL_ERR = 3e-2  # relative error against attention_reference that tests/test_attention_ws.py allows
-# ... and for P as log-linear e4m3 codes (exp2="e4m3_bits"), whose change to the served clips is within the
-# rerun band (docs/quality.md): the bound its own test states
+# ... and for P as log-linear e4m3 codes (exp2="e4m3_bits"): its codes lie up to 7.5% off 2^x where the nearest
+# e4m3 value lies 5.9% off, so its error is larger by construction; what allows it is its change to the served
+# clips, within the rerun band (docs/quality.md). tests/test_attention_ws.py holds it to this bound.
 ATTENTION_REL_ERR_LOG_LINEAR = 4e-2
 
 
@@ -1033,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--mlp-in-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
                          "Hopper; the other is timed too)")
-    st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max, exp2 (also e4m3_bits), row_sum (fma|tensor)")
+    st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max, exp2 (also e4m3_bits), row_sum (fma|tensor); ws options change the served ones (fp8_attention_ws.SERVED_OPTIONS) only where given")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")

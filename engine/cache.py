@@ -188,11 +188,11 @@ class RingKVCache:
         if kernel == "auto" and options:  # tile options differ between the kernels
             raise ValueError(f"attention options {sorted(options)} need the kernel they are for: add \"kernel\": \"triton\" or \"ws\"")
         self.attention_kernel = attention_kernel(kernel, self.device, D)
-        if self.attention_kernel == "ws" and not options:  # the served configuration
+        if self.attention_kernel == "ws":  # the served configuration, changed only where the options say
             from engine.kernels.fp8_attention_ws import SERVED_OPTIONS
 
-            options = dict(SERVED_OPTIONS)
-        self.attention_options = options  # the kernel's own options, as launched
+            options = {**SERVED_OPTIONS, **options}
+        self.attention_options = options  # the kernel's own options as launched (the launcher's defaults for the rest)
         self.attention = make_attention(self.attention_kernel, H, s.frame_tokens, self.k.shape[2], D, self.device, **options)
         if self.attention.permutes_v_slots:
             from engine.kernels.fp8_attention_ws import pv_slot_order

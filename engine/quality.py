@@ -299,7 +299,7 @@ def drift_verdict(report: dict, limits: dict | None = None) -> dict:
 
 
 # Engine configurations ---------------------------------------------------------------------
-# attention_p: how the ws kernel writes P (options of engine/kernels/fp8_attention_ws.py; auto: the cache's served ones)
+# attention_p: how the ws kernel writes P (options of engine/kernels/fp8_attention_ws.py, over the ring's served ones)
 ATTENTION_P_OPTIONS: dict[str, dict] = {"auto": {}, "nearest": {"exp2": "mufu", "row_sum": "fma"},
                                         "log-linear": {"exp2": "e4m3_bits", "row_sum": "tensor"}}
 ATTENTION_P = tuple(ATTENTION_P_OPTIONS)
@@ -314,8 +314,8 @@ class EngineConfig:
     kv_dtype: str = "fp8"  # ring cache storage (the reference cache keeps float K/V)
     backend: str = "torch"  # torch (SDPA over the ring) | triton (FP8 attention kernels)
     attention: str = "auto"  # with backend triton: auto | triton | ws (the warp-specialised Hopper kernel)
-    # with attention ws: how P is written, as the kernel serves it (auto: log-linear), or nearest (the e4m3 value
-    # nearest 2^x) or log-linear (2^x written as codes by two FMAs, row sums on the tensor cores) named
+    # with attention ws: how P is written: as the ring serves it (auto: log-linear), or named: nearest (the e4m3 value
+    # nearest 2^x, row sums in FP32) or log-linear (2^x written as codes by two FMAs, row sums on the tensor cores)
     attention_p: str = "auto"
     gemm: str = "plain"  # plain | fp8 (block linears in FP8) | fp8-fast (and the tensor cores' fast accumulation)
     cuda_graph: bool = False

@@ -437,6 +437,10 @@ def fa3_in_the_step(r: dict, step: dict | None) -> str:
             f"`cache_seqlens`, so that shapes stay fixed while the window fills; FA3's variable-length build), it takes "
             f"{r['fa3_fp8_kvcache']['us']:.1f} us against {r['ws_fp8']['us']:.1f}: {per_call:.1f} us a call, "
             f"{gains['by time']:.2f} ms over the step's {calls} attention calls.")
+    served = s.get("attention_kernel_options")
+    if served is not None and r.get("ws_fp8_options") != served:  # the probe's kernel is not the step's
+        return (text + f" The step above serves the engine's kernel with {ws_options(served)}, not as the probe ran it "
+                "(" + probe_ws(r) + "), so no saving in the step is estimated from this probe.")
     e = r.get("energy") or {}
     if "fa3_fp8_kvcache" in e and "ws_fp8" in e:
         joules = (e["ws_fp8"]["joules_per_call"] - e["fa3_fp8_kvcache"]["joules_per_call"]) * calls
@@ -466,7 +470,7 @@ def fa3_attention(r: dict | None, step: dict | None = None) -> list[str]:
     if not r:
         return []
     shape = r["shape"]
-    rows = [("SDPA, bf16", "sdpa_bf16"), (f"warp-specialised FP8 ({probe_ws(r)}, as served then)", "ws_fp8"),
+    rows = [("SDPA, bf16", "sdpa_bf16"), (f"warp-specialised FP8 ({probe_ws(r)})", "ws_fp8"),
             ("FlashAttention-3 FP8, K and V copied to (batch, slot, head, dim), the live slots", "fa3_fp8"),
             ("FlashAttention-3 FP8, strided views of the same (head, slot, dim) buffers", "fa3_fp8_cache_views"),
             ("FlashAttention-3 FP8, its own choice of KV splits (`num_splits=0`)", "fa3_fp8_splits_auto"),
@@ -489,7 +493,7 @@ def fa3_attention(r: dict | None, step: dict | None = None) -> list[str]:
 def probe_ws(probe: dict) -> str:
     """The engine kernel's configuration in a probe's run (probes before `ws_fp8_options` ran P nearest 2^x)."""
     options = probe.get("ws_fp8_options")
-    return f"ours: {ws_options(options)}" if options is not None else "ours with P nearest 2^x, its setting when that ran"
+    return f"ours: {ws_options(options)}" if options is not None else "ours with P nearest 2^x, as served when that ran"
 
 
 def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = None,
@@ -545,7 +549,7 @@ def cudnn_attention(r: dict | None) -> list[str]:
             message = message.split("backend declined: ", 1)[1].split("; python engines", 1)[0]
         return message.rstrip(".")
 
-    rows = [("SDPA, bf16", "sdpa_bf16"), ("warp-specialised FP8 (ours)", "ws_fp8"),
+    rows = [("SDPA, bf16", "sdpa_bf16"), (f"warp-specialised FP8 ({probe_ws(r)})", "ws_fp8"),
             ("cuDNN FP8 SDPA, K and V cut to the live slots", "cudnn_fp8_prefix"),
             ("cuDNN FP8 SDPA, all slots with a sequence-length mask", "cudnn_fp8_padding_mask")]
     out = [f"NVIDIA's own FP8 attention on this GPU: cuDNN {cudnn_version}'s FP8 SDPA (nvidia-cudnn-frontend "
@@ -704,8 +708,10 @@ def main() -> None:
                     "(`--attention-options '{\"kernel\": \"triton\"}'`; same weights, same run): "
                     f"{ms(s['step_ms_with_triton_attention'])} ms per step, {against(s, 'step_ms_with_triton_attention')}.", ""]
         if "step_ms_with_attention_p_nearest" in s:
-            out += ["With P as the e4m3 value nearest 2^x and its row sums in FP32 (the warp-specialised kernel's setting "
-                    "before: `exp2=\"mufu\", row_sum=\"fma\"`, 64-row tiles, 3 stages; above: "
+            from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS
+
+            out += ["With the warp-specialised kernel's attention as served before "
+                    f"({ws_options(NEAREST_P_OPTIONS)}; above: "
                     f"{ws_options(s.get('attention_kernel_options') or {})}; same weights, same run): "
                     f"{ms(s['step_ms_with_attention_p_nearest'])} ms per step, {against(s, 'step_ms_with_attention_p_nearest')}.", ""]
         if "step_ms_with_attention_out_bf16" in s:
@@ -730,6 +736,11 @@ def main() -> None:
                     f"{ms(no_ws['serving']['step_ms'])} ms per step (`docs/results/step_57b_tp3_h200_gemm_workspace_0.json`); "
                     f"with `CUBLASLT_WORKSPACE_SIZE=1024` (a 1 MiB workspace), {ms(ws['serving']['step_ms'])} ms "
                     "(`docs/results/step_57b_tp3_h200_gemm_workspace_1024.json`).", ""]
+        served = s.get("attention_kernel_options") or {}
+        if served.get("exp2") == "e4m3_bits":  # the profiles below come from runs before the kernel served its codes
+            out += ["The profile, the timeline and the clock log below come from runs of an earlier commit, whose step served "
+                    "the warp-specialised attention with P as the e4m3 value nearest 2^x, row sums in FP32, 64-row tiles, "
+                    f"3 stages (the step above: {ws_options(served)}); the GEMMs and the other kernels are as above.", ""]
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"], s.get("gemm_ms"))
         out += step_timeline(load("step_timeline_57b_tp3_h200.json"), step)
         power = power_summary("step_57b_tp3_h200_smi.csv")
@@ -747,7 +758,10 @@ def main() -> None:
             s, b = r["serving"], r["baseline"]
             streams = r.get("branch_streams", False)
             alt = s.get("step_ms_without_branch_streams" if streams else "step_ms_with_branch_streams", float("nan"))
-            out.append(f"| {tp} | {ms(s['step_ms'])} | {s.get('attention_kernel', 'triton')} | "
+            kernel = s.get("attention_kernel", "triton")
+            if kernel == "ws":  # results from before the step recorded the kernel's options served P nearest 2^x
+                kernel += f" ({ws_options(s['attention_kernel_options']) if 'attention_kernel_options' in s else 'P nearest 2^x, as served then'})"
+            out.append(f"| {tp} | {ms(s['step_ms'])} | {kernel} | "
                        f"{'on' if r.get('fast_accum') else 'off'} | {'on' if streams else 'off'} | "
                        f"{ms(alt)} | {ms(s['gemm_ms'])} | "
                        f"{ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | {ms(s['other_ms'])} | "

@@ -20,10 +20,10 @@ import torch
 import triton
 
 from attention_probe_common import D, H, LIVE, M, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns, ws_fp8_run
-from engine.kernels.fp8_attention_ws import SERVED_OPTIONS
 from engine.bench import sustained_energy
 from engine.config import get_spec
 from engine.gpu_energy import EnergyMeter
+from engine.kernels.fp8_attention_ws import SERVED_OPTIONS
 
 dev = torch.device("cuda")
 REPEATS = 5

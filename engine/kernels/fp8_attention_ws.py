@@ -23,7 +23,8 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   at most 1.5% off (τ = 3) and added 2-3.5% at τ = 1 at the production shape on an H200, so it was not kept;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
-  own that share every K/V tile (half the tile traffic, more registers each; it measured no faster),
+  own that share every K/V tile (half the tile traffic, more registers each; it measured no faster with P nearest
+  2^x, and is the fastest with the log-linear codes below, which leave its warpgroups less to do),
   optionally issuing their products in turns (`pingpong`, FlashAttention-3's schedule; no faster here either).
   Without the producer (the consumer warpgroup issuing its own loads, refilling a stage once its products
   are done, so that a program is 4 warps and three fit an SM) it was much slower, three programs an SM or two.
@@ -40,8 +41,9 @@ the softmax's elementwise work off the units that do:
 - `exp2="e4m3_bits"` (with it): 2^x is written straight into e4m3's bits, log-linearly (`e4m3_log_linear`), by
   two FMAs, one of them saturating: no special-function instruction and no conversion to e4m3 remain per
   probability. It picks a code next to the nearest one where the rounding is close, so it adds error: at the
-  production shape on an H200, 3.03% against exact attention where the default has 2.55% (1.10% against 0.91%
-  with sharper scores), for 53.2 us a call against 60.1 (block_m 128, 2 stages; `engine.bench attention`).
+  production shape on an H200, 3.03% against exact attention where P nearest 2^x has 2.55%, for 53.7 us a call
+  (block_m 128, 2 stages) against 60.0 (block_m 64, 2 stages; `engine.bench attention`). With 128-row tiles it is
+  what the ring serves (`SERVED_OPTIONS`), its change to the served clips within the rerun band (docs/quality.md).
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
 hold it to `attention_reference` on a GPU.
 """
@@ -143,10 +145,11 @@ def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.con
     alpha = gl.exp2(m_i - m_safe)
     if EXP2_UNIT == "e4m3_bits":
         # 2^x written straight as e4m3's bits, log-linearly: code 8x + 56 is the exponent (bias 7) and three mantissa
-        # bits of 2^floor(x) * (1 + frac(x)); rounded after taking 0.35 off, it lands within 7.5% of 2^x (e4m3's
-        # nearest value: 5.9%). One FMA clamps code / 256 to [0, 1] (x below about -7 and masked slots give 0; x <= 8,
-        # as below, gives code <= 120), a second rounds it into the low bits of 1.5 * 2^23 + code. Both run on the
-        # FMA pipe, none on the special-function unit, and no conversion instruction packs P: the low bytes are the operand.
+        # bits of 2^floor(x) * (1 + frac(x)); rounded after taking 0.35 off, it lands within 7.5% of 2^x where the code
+        # is normal, x >= -6 (e4m3's nearest value: 5.9%); below, 2^x <= 2^-6 of P's largest 256. One saturating FMA
+        # makes code / 256, its clamp at 0 what matters (x below about -7 and masked slots give 0); the top needs none,
+        # as x <= 8 below gives code <= 120. A second FMA rounds it into the low bits of 1.5 * 2^23 + code. Both run on
+        # the FMA pipe, none on the special-function unit, and no conversion instruction packs P: the low bytes are it.
         z = gl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f",
                                       [s, gl.full_like(s, 8.0 / 256.0) * scale, ((120.0 - 0.35 - 8.0 * m_safe) / 256.0)[:, None]],
                                       dtype=gl.float32, is_pure=True, pack=1)
@@ -170,7 +173,7 @@ def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.con
 
 @gluon.jit
 def _p_operand(p, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, RENAMED_P: gl.constexpr):
-    """P (BLOCK_M, BLOCK_N) fp32 in the q·kᵀ accumulator's registers -> the P·V product's e4m3 A operand, with
+    """P (BLOCK_M, BLOCK_N) fp32 (or e4m3 codes already) in the q·kᵀ accumulator's registers -> the P·V product's e4m3 A operand, with
     no data moved. In each group of 32 columns a thread of the accumulator holds the columns whose bits
     (c4 c3 c2 c1 c0) come from (register register lane lane register); an 8-bit A operand wants (register lane
     lane register register). The columns are renamed by that bit permutation (reshape, permute: registers
@@ -185,8 +188,9 @@ def _p_operand(p, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 def e4m3_log_linear(x: torch.Tensor) -> torch.Tensor:
-    """What `exp2="e4m3_bits"` writes for 2^x (x <= 8), in PyTorch: the e4m3 code round(8x + 56 - 0.35), clamped at 0."""
-    code = torch.clamp(torch.round(8 * x.float() + 56 - 0.35), 0, 120).to(torch.uint8)
+    """What `exp2="e4m3_bits"` writes for 2^x (x <= 8, where the code is at most 120), in PyTorch: the e4m3 code
+    round(8x + 56 - 0.35), clamped at 0."""
+    code = torch.clamp(torch.round(8 * x.float() + 56 - 0.35), min=0).to(torch.uint8)
     return code.view(torch.float8_e4m3fn).float()
 
 
@@ -278,6 +282,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_read
         l_tok = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True), ones_smem.permute((1, 0)),
                               zero_l, use_acc=False, is_async=True)
         acc, l_blk = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+        # the 8 columns hold the same sums; a reduction gives each row's one value in the row layout
         l_i = gl.convert_layout(gl.reduce(l_run + l_blk, 1, _max), gl.SliceLayout(1, s_layout))
     else:
         acc = warpgroup_mma_wait(0, deps=[o_tok])
@@ -391,7 +396,7 @@ class WarpSpecializedFP8Attention:
         if row_sum not in ("fma", "tensor"):
             raise ValueError(f"row_sum must be fma or tensor, got {row_sum!r}")
         if exp2 == "e4m3_bits" and row_sum != "tensor":
-            raise ValueError("exp2 e4m3_bits writes P as e4m3 bits only: it takes row_sum='tensor'")
+            raise ValueError("exp2='e4m3_bits' needs row_sum='tensor' (P exists only as e4m3 codes: there is no FP32 P to sum)")
         if head_dim not in WS_HEAD_DIMS:  # the P·V product's N; TMA rows of at least 32 bytes
             raise ValueError(f"head_dim must be one of {WS_HEAD_DIMS} for the warp-specialised kernel, got {head_dim}")
         if block_m not in (64, 128):
@@ -405,6 +410,8 @@ class WarpSpecializedFP8Attention:
         self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
         if pingpong and block_m != 128:
             raise ValueError("pingpong takes two consumer warpgroups: block_m 128")
+        if pingpong and row_sum == "tensor":  # P·1 would be issued after the turn passes to the other warpgroup
+            raise ValueError("pingpong with row_sum='tensor' is not built: its P·1 product would fall outside the turns")
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
         self.pingpong = pingpong  # the two consumers issue their products in turns (FlashAttention-3's ping-pong)
         self.permutes_v_slots = renamed_p
