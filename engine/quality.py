@@ -299,10 +299,19 @@ def drift_verdict(report: dict, limits: dict | None = None) -> dict:
 
 
 # Engine configurations ---------------------------------------------------------------------
-# attention_p: how the ws kernel writes P (options of engine/kernels/fp8_attention_ws.py, over the ring's served ones)
-ATTENTION_P_OPTIONS: dict[str, dict] = {"auto": {}, "nearest": {"exp2": "mufu", "row_sum": "fma"},
-                                        "log-linear": {"exp2": "e4m3_bits", "row_sum": "tensor"}}
-ATTENTION_P = tuple(ATTENTION_P_OPTIONS)
+# attention_p: how the ws kernel writes P: auto as the ring serves it, or the P settings (exp2, row_sum) of one of the
+# kernel's named option sets, over the ring's served ones (engine/kernels/fp8_attention_ws.py)
+ATTENTION_P = ("auto", "nearest", "log-linear")
+
+
+def attention_p_options(attention_p: str) -> dict:
+    """The ws kernel's options that make P as `attention_p` names it."""
+    if attention_p == "auto":
+        return {}
+    from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS, SERVED_OPTIONS
+
+    named = {"nearest": NEAREST_P_OPTIONS, "log-linear": SERVED_OPTIONS}[attention_p]
+    return {key: named[key] for key in ("exp2", "row_sum")}
 
 
 @dataclass(frozen=True)
@@ -500,7 +509,7 @@ def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, we
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     session_kwargs = dict(cache=config.cache, kv_dtype=config.kv_dtype, backend=config.backend,
                           reset_every=config.reset_every, cuda_graph=config.cuda_graph,
-                          attention_options={"kernel": config.attention, **ATTENTION_P_OPTIONS[config.attention_p]})
+                          attention_options={"kernel": config.attention, **attention_p_options(config.attention_p)})
     if config.tp > 1 or config.processes:
         from engine.distributed import DistributedEngine, Placement
 

@@ -179,6 +179,11 @@ def test_attention_kernel_choices_are_checked():
         parse_config("fp8-attention,attention=triton,attention_p=log-linear")
     with pytest.raises(ValueError, match="attention_p=nearest is an option of the ws kernel: add attention=ws"):
         parse_config("fp8-attention,attention_p=nearest")
+    from engine.quality import attention_p_options
+
+    assert attention_p_options("auto") == {}  # the ring's served options
+    assert attention_p_options("nearest") == {"exp2": "mufu", "row_sum": "fma"}
+    assert attention_p_options("log-linear") == {"exp2": "e4m3_bits", "row_sum": "tensor"}
 
 
 def test_broken_config_files_are_named(tmp_path):

@@ -187,6 +187,15 @@ def _p_operand(p, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     return gl.convert_layout(p8, p_layout, assert_trivial=True)
 
 
+@gluon.jit
+def _row_sums(p8, ones_smem, l_layout: gl.constexpr):
+    """Issue P·1 (asynchronously, from a zero accumulator): each row's sum of the e4m3 P in all 8 columns."""
+    M: gl.constexpr = p8.shape[0]
+    p8_l = gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4), assert_trivial=True)
+    return warpgroup_mma(p8_l, ones_smem.permute((1, 0)), gl.zeros([M, 8], gl.float32, l_layout), use_acc=False,
+                         is_async=True)
+
+
 def e4m3_log_linear(x: torch.Tensor) -> torch.Tensor:
     """What `exp2="e4m3_bits"` writes for 2^x (x <= 8, where the code is at most 120), in PyTorch: the e4m3 code
     round(8x + 56 - 0.35), clamped at 0."""
@@ -222,15 +231,12 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_read
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    # ROW_SUM_TC: the rows' sums of P come from the tensor cores, as P·1 beside P·V (1 in each of 8 columns)
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, 8, 32])
-    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=4)
-    # Each block's sums come fresh (use_acc False) and are added here, in FP32: the tensor cores' FP8 accumulation
-    # keeps only about 14 bits, which a sum that only grows would lose small terms to.
-    zero_l = gl.zeros([BLOCK_M, 8], gl.float32, l_layout)
-    l_run = gl.zeros([BLOCK_M, 8], gl.float32, l_layout)
-    if ROW_SUM_TC:
+    if ROW_SUM_TC:  # the rows' sums of P come from the tensor cores, as P·1 beside P·V (1 in each of 8 columns)
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, 8, 32])
+        # Each block's sums come fresh and are added here, in FP32: the tensor cores' FP8 accumulation keeps only
+        # about 14 bits, which a sum that only grows would lose small terms to.
+        l_run = gl.zeros([BLOCK_M, 8], gl.float32, l_layout)
         ones_layout: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // 32], [2, 16], [num_warps, 1], [1, 0])
         ones_smem.store(gl.full([8, BLOCK_N], 0x38, gl.int8, ones_layout).to(gl.float8e4nv, bitcast=True))  # 1.0
         fence_async_shared()
@@ -260,8 +266,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_read
             mbarrier.wait(v_ready.index(cur), (i // STAGES) & 1)
             o_tok = warpgroup_mma(p8, v_smem.index(cur).permute((1, 0)), acc, is_async=True)
         if ROW_SUM_TC:
-            l_tok = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True), ones_smem.permute((1, 0)),
-                                  zero_l, use_acc=False, is_async=True)
+            l_tok = _row_sums(p8, ones_smem, l_layout)
             s = warpgroup_mma_wait(2, deps=[s_tok])
         else:
             s = warpgroup_mma_wait(1, deps=[s_tok])  # q·kᵀ done; ptxas waits for P·V at the softmax's start
@@ -279,8 +284,7 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_read
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p8, v_smem.index(last).permute((1, 0)), acc, is_async=True)
     if ROW_SUM_TC:
-        l_tok = warpgroup_mma(gl.convert_layout(p8, pl_layout, assert_trivial=True), ones_smem.permute((1, 0)),
-                              zero_l, use_acc=False, is_async=True)
+        l_tok = _row_sums(p8, ones_smem, l_layout)
         acc, l_blk = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
         # the 8 columns hold the same sums; a reduction gives each row's one value in the row layout
         l_i = gl.convert_layout(gl.reduce(l_run + l_blk, 1, _max), gl.SliceLayout(1, s_layout))
