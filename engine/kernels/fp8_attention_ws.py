@@ -28,6 +28,10 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   optionally issuing their products in turns (`pingpong`, FlashAttention-3's schedule; no faster here either).
   Without the producer (the consumer warpgroup issuing its own loads, refilling a stage once its products
   are done, so that a program is 4 warps and three fit an SM) it was much slower, three programs an SM or two.
+  At the production shape 120 programs of 128 rows leave 12 of an H200's 132 SMs idle (`engine.bench attention`'s
+  grid_fill). A stream-K form (one program per SM, the units' blocks cut evenly among them, a unit's parts folded
+  by the program that began it through partial results and flags in global memory) was slower there: 58 against
+  54 us, and 57 with no unit cut at all, so its per-program schedule cost more than the idle SMs it filled.
 
 Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py. As there,
 `exp2` puts the softmax's 2^x on the special-function unit ("mufu"), on the FMA and integer units ("fma",
