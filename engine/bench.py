@@ -747,6 +747,8 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
         sweep += [dict(kernel="ws", block_m=bm, block_n=128, stages=2, row_sum="tensor") for bm in (64, 128)]
         sweep += [dict(kernel="ws", block_m=bm, block_n=128, stages=st, row_sum="tensor", exp2="e4m3_bits")
                   for bm in (64, 128) for st in (2, 3)]
+        # and the output written through shared memory by the copy engine instead of stored from registers
+        sweep += [dict(kernel="ws", block_m=128, block_n=128, stages=2, row_sum="tensor", exp2="e4m3_bits", tma_out=True)]
     for opts in sweep:
         if opts["kernel"] == "triton":
             opts = {"pv_fp8": True, **opts, "warp_specialize": False}
@@ -1035,7 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--mlp-in-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
                          "Hopper; the other is timed too)")
-    st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max, exp2 (also e4m3_bits), row_sum (fma|tensor); ws options change the served ones (fp8_attention_ws.SERVED_OPTIONS) only where given")
+    st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max, exp2 (also e4m3_bits), row_sum (fma|tensor), tma_out; ws options change the served ones (fp8_attention_ws.SERVED_OPTIONS) only where given")
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
         q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")

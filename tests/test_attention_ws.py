@@ -27,6 +27,18 @@ from tests.helpers import rms_heads  # noqa: E402
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+def cache_inputs(seed: int, H: int, M: int, S: int, D: int, dev) -> tuple:
+    """Unit-RMS q, K, V in e4m3 at one random scale per head (Vᵀ as the cache stores it) and a validity mask with
+    empty ring slots (40..129): (q8, k8, vt8, valid, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = fp8.per_head_scale(torch.rand(H, D, generator=g).to(dev) + 0.5)
+    q8, k8 = (fp8.quantize(rms_heads(g, H, n, D).to(dev), scale) for n in (M, S))
+    vt8 = fp8.quantize(rms_heads(g, H, S, D).to(dev), scale).transpose(1, 2).contiguous()
+    valid = torch.ones(S, dtype=torch.int8, device=dev)
+    valid[40:130] = 0
+    return q8, k8, vt8, valid, scale
+
+
 def spill_store_bytes(ptx: str) -> int:
     """Register spill stores ptxas reports for this PTX (spills are made there, after the PTX)."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -246,13 +258,8 @@ def test_matches_exact_attention_over_the_same_cache(block_m, block_n, stages, S
 def test_exp2_on_the_fma_units_matches_exact_attention_and_the_special_function_units_output(exp2, block_m, S):
     """The polynomial's 2^x (relative error below 0.2%) before e4m3's rounding of P (up to 6%): within the same 3%
     of exact attention, and within 1% of the kernel with 2^x on the special-function unit."""
-    g = torch.Generator().manual_seed(4)
     H, M, D, dev = 3, 70, 128, torch.device("cuda")
-    scale = fp8.per_head_scale(torch.rand(H, D, generator=g).to(dev) + 0.5)
-    q8, k8 = (fp8.quantize(rms_heads(g, H, n, D).to(dev), scale) for n in (M, S))
-    vt8 = fp8.quantize(rms_heads(g, H, S, D).to(dev), scale).transpose(1, 2).contiguous()
-    valid = torch.ones(S, dtype=torch.int8, device=dev)
-    valid[40:130] = 0
+    q8, k8, vt8, valid, scale = cache_inputs(4, H, M, S, D, dev)
     outs = {}
     for unit in ("mufu", exp2):
         attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=128, stages=2, exp2=unit)
@@ -337,3 +344,37 @@ def test_e4m3_output_is_the_bf16_output_rounded_at_a_scale_that_never_saturates(
     attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=128, stages=2)
     attention.mark_live_tiles(valid)
     assert_e4m3_output_never_saturates(attention, q8, k8, attention.arrange_v(vt8), valid, scale, S)
+
+
+def test_tma_out_writes_the_output_through_shared_memory_and_the_copy_engine():
+    """tma_out: each consumer warpgroup's output tile goes to shared memory and out by a TMA store (no store from
+    registers left), at the same programs per SM for 128-row tiles, and no more spills than the build without."""
+    for out_fp8 in (False, True):
+        build = lambda **kw: compile_for_hopper(128, block_m=128, block_n=128, stages=2, row_sum="tensor",
+                                                exp2="e4m3_bits", out_fp8=out_fp8, **kw)
+        plain, staged = build(), build(tma_out=True)
+        assert "cp.async.bulk.tensor.2d.global.shared" in staged.asm["ptx"] and "st.global" not in staged.asm["ptx"]
+        assert "cp.async.bulk.tensor.2d.global.shared" not in plain.asm["ptx"]
+        assert programs_per_sm(staged) == programs_per_sm(plain) == 1
+        assert spill_store_bytes(staged.asm["ptx"]) <= spill_store_bytes(plain.asm["ptx"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("block_m, S", [(128, 5824), (128, 320), (64, 1024)])
+def test_tma_out_writes_the_same_output_bit_for_bit(block_m, S):
+    """The same values, written by the copy engine: bf16 and e4m3 outputs equal the register store's bit for bit,
+    the rows past M (a partial last tile) left untouched."""
+    H, M, D, dev = 3, 70, 128, torch.device("cuda")
+    q8, k8, vt8, valid, scale = cache_inputs(7, H, M, S, D, dev)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        outs = []
+        for tma_out in (False, True):
+            attention = WarpSpecializedFP8Attention(H, M, S, D, dev, block_m=block_m, block_n=128, stages=2,
+                                                    row_sum="tensor", exp2="e4m3_bits", tma_out=tma_out)
+            attention.mark_live_tiles(valid)
+            buffer = torch.full((M + 8, H * D), 7.0, device=dev).to(dtype)  # rows M.. must stay as they are
+            attention(q8, k8, attention.arrange_v(vt8), valid, qk_scale(scale, scale, D), scale, buffer[:M])
+            outs.append(buffer)
+        assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
+        assert (outs[1][M:].float() == 7.0).all()

@@ -603,6 +603,23 @@ def step_energy(step: dict) -> list[str]:
     return out + [""]
 
 
+def earlier_step_run(step: dict, earlier: dict | None, name: str) -> list[str]:
+    """An earlier run of the same step benchmark, in another session on a machine of the same kind, beside this one: how
+    much the part that did not change between the two (the GEMMs) moved with the machine and its clock."""
+    if not earlier or "sm_clock_mhz" not in earlier["serving"] or "sm_clock_mhz" not in step["serving"]:
+        return []
+    s, e = step["serving"], earlier["serving"]
+    served = (ws_options(e["attention_kernel_options"]) if e.get("attention_kernel_options") else "?")
+    return [f"An earlier run of the same command ({earlier.get('date', '?')}, result `docs/results/{name}`; attention served "
+            f"with {served}), in another session on a machine of the same kind: {ms(e['step_ms'])} ms per step, its GEMMs alone "
+            f"{ms(e['gemm_ms'])} ms and its attention {ms(e['attention_ms'])} ms, the SM clock's median {e['sm_clock_mhz']:.0f} "
+            f"MHz; here {ms(s['step_ms'])}, {ms(s['gemm_ms'])} and {ms(s['attention_ms'])} ms at {s['sm_clock_mhz']:.0f} MHz. "
+            f"The GEMMs, the same kernels in both, moved by {s['gemm_ms'] - e['gemm_ms']:+.1f} ms between the two runs, and "
+            "by more than that with the machine: the earlier GEMM part also timed a quantisation pass before each "
+            "out-projection, which the benchmark no longer does (the step feeds it the attention's e4m3 output). That is "
+            "more than the change between the two attention kernels can move the step.", ""]
+
+
 PART_NAMES = {"gemm": "GEMMs", "attention": "attention", "cache_upkeep": "cache upkeep"}
 
 
@@ -626,7 +643,7 @@ def ws_options(options: dict) -> str:
     p = ("P as log-linear e4m3 codes" if options.get("exp2") == "e4m3_bits" else "P as the e4m3 value nearest 2^x")
     sums = "row sums on the tensor cores" if options.get("row_sum") == "tensor" else "row sums in FP32"
     tiles = f"{options.get('block_m', 64)}-row tiles, {options.get('stages', 3)} stages"
-    return f"{p}, {sums}, {tiles}"
+    return f"{p}, {sums}, {tiles}" + (", output by TMA" if options.get("tma_out") else "")
 
 
 # how the attention section names the ws kernel's `exp2` variants
@@ -685,6 +702,7 @@ def main() -> None:
                     "The target row above is the back-to-back figure.", ""]
         out += step_graph_time(s)
         out += step_energy(step)
+        out += earlier_step_run(step, load("step_57b_tp3_h200_2026-11-30.json"), "step_57b_tp3_h200_2026-11-30.json")
         for key, setting, what in (("step_ms_with_branch_streams", "branch-streams on", "each block's MLP branch on a side stream"),
                                    ("step_ms_without_branch_streams", "branch-streams off", "each block's MLP branch in line"),
                                    ("step_ms_with_fast_accum", "fast-accum on", "the FP8 GEMMs' fast accumulation"),
@@ -878,7 +896,8 @@ def main() -> None:
                                 f"{', P shuffled (renamed_p=False)' if c.get('renamed_p') is False else ''}"
                                 f"{', row maxima by the plain reduction (tree_max=False)' if c.get('tree_max') is False else ''}"
                                 f"{', row sums on the tensor cores (row_sum=tensor)' if c.get('row_sum') == 'tensor' else ''}"
-                                f"{WS_EXP2.get(c.get('exp2', 'mufu'), '')}: "
+                                f"{WS_EXP2.get(c.get('exp2', 'mufu'), '')}"
+                                f"{', output by TMA (tma_out=True)' if c.get('tma_out') else ''}: "
                                 f"{c['us']:.1f} us" + (f" ({100 * c['rel_err']:.2f}% off exact)" if c.get('exp2') == 'e4m3_bits' else '')
                                 for c in ws) + ". Ping-pong: the two consumer warpgroups of a 128-row program "
                     "issue their products in turns (FlashAttention-3's schedule), so one's softmax runs under the other's products. "
@@ -899,7 +918,11 @@ def main() -> None:
                        f"fastest above is picked among those within {100 * ATTENTION_REL_ERR:.0f}%, log-linear P within "
                        f"{100 * ATTENTION_REL_ERR_LOG_LINEAR:.0f}%, the bound its test states, its change to the served clips "
                        "being within the rerun band: `docs/quality.md`)."
-                       if any(c.get("row_sum") == "tensor" for c in ws) else ""), ""]
+                       if any(c.get("row_sum") == "tensor" for c in ws) else "")
+                    + (" Output by TMA: each consumer warpgroup's output tile written to shared memory and sent out by "
+                       "one TMA store (whole lines; rows past the queries clipped by the copy engine) instead of each "
+                       "thread storing its fragments; the same values bit for bit." if any(c.get("tma_out") for c in ws) else ""),
+                    ""]
     pipe = load("pipeline_demo_h200.json")
     if pipe:
         out += ["## Step period with the decoder in its own process", "",

@@ -48,6 +48,12 @@ the softmax's elementwise work off the units that do:
   production shape on an H200, 3.03% against exact attention where P nearest 2^x has 2.55%, for 53.7 us a call
   (block_m 128, 2 stages) against 60.0 (block_m 64, 2 stages; `engine.bench attention`). With 128-row tiles it is
   what the ring serves (`SERVED_OPTIONS`), its change to the served clips within the rerun band (docs/quality.md).
+
+`tma_out`: each consumer warpgroup writes its output tile to shared memory, and one TMA store sends it out in whole
+lines (rows past M clipped by the copy engine), in place of each thread storing its fragments of a row (16 bytes of
+bf16, 8 of e4m3, per row and store instruction): the same values bit for bit, 51.7 against 53.2 us a call (bf16
+output) in one sweep of `engine.bench attention` at the production shape on an H200. Served, at up to 32 KiB more
+shared memory a program with 128-row tiles, which hold one program an SM either way (at 64 rows it would cost the second).
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
 hold it to `attention_reference` on a GPU.
 """
@@ -67,6 +73,7 @@ WS_EXP2_UNITS = EXP2_UNITS + ("e4m3_bits",)
 
 # The TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load from 3.9 (the old name then raises)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 # A barrier of the partition's threads: thread_barrier up to Triton 3.6, barrier from 3.9
 _thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
@@ -220,9 +227,10 @@ def pv_slot_order(n_slots: int, device=None) -> torch.Tensor:
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, valid,
-              tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              tile_live, qk_scale, v_scale, out, s_om, out_desc, o_smem, h, off_m, M, S, n_blocks, D: gl.constexpr,
+              BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr,
-              FIRST: gl.constexpr, OUT_FP8: gl.constexpr, TREE_MAX: gl.constexpr, EXP2_UNIT: gl.constexpr,
+              FIRST: gl.constexpr, OUT_FP8: gl.constexpr, TMA_OUT: gl.constexpr, TREE_MAX: gl.constexpr, EXP2_UNIT: gl.constexpr,
               ROW_SUM_TC: gl.constexpr, num_warps: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -297,20 +305,27 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_read
 
     l_o = gl.convert_layout(l_i, o_rows)
     o = acc * (gl.load(v_scale + h) / gl.where(l_o == 0.0, 1.0, l_o))[:, None]
-    rows = off_m + gl.arange(0, BLOCK_M, layout=o_rows)
-    d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     if OUT_FP8:  # the scale of `out_scale` keeps |o| <= 448: the clamp only keeps the cast saturating
-        o8 = gl.minimum(gl.maximum(o, -448.0), 448.0).to(gl.float8e4nv)
-        gl.store(out + rows[:, None] * s_om + h * D + d[None, :], o8, mask=(rows < M)[:, None])
+        o_out = gl.minimum(gl.maximum(o, -448.0), 448.0).to(gl.float8e4nv)
     else:
-        gl.store(out + rows[:, None] * s_om + h * D + d[None, :], o.to(gl.bfloat16), mask=(rows < M)[:, None])
+        o_out = o.to(gl.bfloat16)
+    if TMA_OUT:  # staged in shared memory, written by the copy engine in whole lines; rows past M are clipped by it
+        o_smem.store(o_out)
+        fence_async_shared()
+        _thread_barrier()  # every thread's part in shared memory before the copy reads it
+        _tma_store(out_desc, [off_m, h * D], o_smem)
+        tma.store_wait(0)
+    else:
+        rows = off_m + gl.arange(0, BLOCK_M, layout=o_rows)
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        gl.store(out + rows[:, None] * s_om + h * D + d[None, :], o_out, mask=(rows < M)[:, None])
 
 
 @gluon.jit
-def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, M, S,
+def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, out_desc, M, S,
                     D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr, OUT_FP8: gl.constexpr,
-                    TREE_MAX: gl.constexpr, EXP2_UNIT: gl.constexpr, ROW_SUM_TC: gl.constexpr, num_warps: gl.constexpr):
+                    TMA_OUT: gl.constexpr, TREE_MAX: gl.constexpr, EXP2_UNIT: gl.constexpr, ROW_SUM_TC: gl.constexpr, num_warps: gl.constexpr):
     pid_m, h = gl.program_id(0), gl.program_id(1)
     off_m = pid_m * BLOCK_M
     n_blocks = (S + BLOCK_N - 1) // BLOCK_N
@@ -326,6 +341,13 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
     else:  # never read
         ones_a = q_smem
         ones_b = q_smem
+    if TMA_OUT:  # each consumer warpgroup's output tile on its way to global memory
+        o_smem = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * 64, D], out_desc.layout)
+        o_a = o_smem.slice(0, 64)
+        o_b = o_smem.slice(64 * (CONSUMERS - 1), 64)
+    else:  # never written
+        o_a = q_smem
+        o_b = q_smem
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -349,28 +371,29 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, ones_a, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a, turn_b, valid,
-                         tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64, BLOCK_N, STAGES,
-                         RENAMED_P, False, 1, OUT_FP8, TREE_MAX, EXP2_UNIT, ROW_SUM_TC, num_warps)),
+                         tile_live, qk_scale, v_scale, out, s_om, out_desc, o_a, h, off_m, M, S, n_blocks, D, 64, BLOCK_N,
+                         STAGES, RENAMED_P, False, 1, OUT_FP8, TMA_OUT, TREE_MAX, EXP2_UNIT, ROW_SUM_TC, num_warps)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [1], [24])
     else:  # two consumer warpgroups in their own partitions: each issues its products and softmax on its own schedule
         gl.warp_specialize([
             (_consumer, (q_smem.slice(0, 64), k_smem, v_smem, ones_a, q_bar, k_ready, k_empty, v_ready, v_empty, turn_a,
-                         turn_b, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m, M, S, n_blocks, D, 64,
-                         BLOCK_N, STAGES, RENAMED_P, PINGPONG, 1, OUT_FP8, TREE_MAX, EXP2_UNIT, ROW_SUM_TC, num_warps)),
+                         turn_b, valid, tile_live, qk_scale, v_scale, out, s_om, out_desc, o_a, h, off_m, M, S, n_blocks,
+                         D, 64, BLOCK_N, STAGES, RENAMED_P, PINGPONG, 1, OUT_FP8, TMA_OUT, TREE_MAX, EXP2_UNIT, ROW_SUM_TC, num_warps)),
             (_consumer, (q_smem.slice(64, 64), k_smem, v_smem, ones_b, q_bar, k_ready, k_empty, v_ready, v_empty, turn_b,
-                         turn_a, valid, tile_live, qk_scale, v_scale, out, s_om, h, off_m + 64, M, S, n_blocks, D,
-                         64, BLOCK_N, STAGES, RENAMED_P, PINGPONG, 0, OUT_FP8, TREE_MAX, EXP2_UNIT, ROW_SUM_TC, 4)),
+                         turn_a, valid, tile_live, qk_scale, v_scale, out, s_om, out_desc, o_b, h, off_m + 64, M, S,
+                         n_blocks, D, 64, BLOCK_N, STAGES, RENAMED_P, PINGPONG, 0, OUT_FP8, TMA_OUT, TREE_MAX, EXP2_UNIT, ROW_SUM_TC, 4)),
             (_producer, (q_desc, k_desc, vt_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                          h * M + off_m, h * S, h * D, n_blocks, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
 # What the ring cache serves when no options are given: P as log-linear e4m3 codes with row sums on the tensor
-# cores, two consumer warpgroups per program. Judged against the plain path by the rerun-variance method
-# (docs/quality.md); fastest at the production shape (`engine.bench attention`).
-SERVED_OPTIONS = dict(block_m=128, block_n=128, stages=2, row_sum="tensor", exp2="e4m3_bits")
+# cores, two consumer warpgroups per program, the output through shared memory by TMA. Judged against the plain path
+# by the rerun-variance method (docs/quality.md; the TMA store changes no value); fastest at the production shape
+# (`engine.bench attention`).
+SERVED_OPTIONS = dict(block_m=128, block_n=128, stages=2, row_sum="tensor", exp2="e4m3_bits", tma_out=True)
 # The options before it: P as the e4m3 value nearest 2^x (the special-function unit's), row sums in FP32.
 NEAREST_P_OPTIONS = dict(block_m=64, block_n=128, stages=3, row_sum="fma", exp2="mufu")
 
@@ -398,7 +421,7 @@ class WarpSpecializedFP8Attention:
     def __init__(self, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device=None,
                  block_m: int = 64, block_n: int = 128, stages: int = 3, maxnreg: int | None = None,
                  pingpong: bool = False, renamed_p: bool = True, tree_max: bool = True, exp2: str = "mufu",
-                 row_sum: str = "fma"):
+                 row_sum: str = "fma", tma_out: bool = False):
         if exp2 not in WS_EXP2_UNITS:
             raise ValueError(f"exp2 must be one of {', '.join(WS_EXP2_UNITS)}, got {exp2!r}")
         if row_sum not in ("fma", "tensor"):
@@ -426,6 +449,7 @@ class WarpSpecializedFP8Attention:
         self.tree_max = tree_max  # row maxima as a tree (`_row_max`); False: the plain reduction
         self.exp2 = exp2  # where the softmax's 2^x runs, as in fp8_attention.py
         self.row_sum = row_sum  # the rows' sums of P: on the FMA units, or as P·1 on the tensor cores
+        self.tma_out = tma_out  # the output through shared memory and the copy engine instead of stored from registers
         self.num_warps = 4  # the default partition: one consumer warpgroup
         # block_m 128 launches 12 warps (partitions come in warpgroups): 168 registers each fill the register
         # file; then the producer's warpgroup gives its registers to the consumer warpgroup in a partition of its own.
@@ -447,10 +471,12 @@ class WarpSpecializedFP8Attention:
         H, M, D = q8.shape
         out_fp8 = check_out(out, M, H * D)
         q_desc, k_desc, vt_desc = self.descriptors(q8, k8, vt8)
+        out_desc = self.out_descriptor(out) if self.tma_out else q_desc  # (never read without tma_out)
         _attn_ws_kernel[(triton.cdiv(M, self.block_m), H)](
-            q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), M, self.S,
+            q_desc, k_desc, vt_desc, valid, self.tile_live, qk_scale, v_scale, out, out.stride(0), out_desc, M, self.S,
             D=D, BLOCK_M=self.block_m, BLOCK_N=self.block_n, STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
-            RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, OUT_FP8=out_fp8, TREE_MAX=self.tree_max, EXP2_UNIT=self.exp2,
+            RENAMED_P=self.permutes_v_slots, PINGPONG=self.pingpong, OUT_FP8=out_fp8, TMA_OUT=self.tma_out,
+            TREE_MAX=self.tree_max, EXP2_UNIT=self.exp2,
             ROW_SUM_TC=self.row_sum == "tensor", num_warps=self.num_warps, maxnreg=self.maxnreg, **FP_FUSION)
         return out
 
@@ -467,10 +493,21 @@ class WarpSpecializedFP8Attention:
                                       TensorDescriptor.from_tensor(vt8.view(H * D, S), [D, self.block_n], v_l))
         return self._descriptors[key]
 
+    def out_descriptor(self, out: torch.Tensor):
+        """TMA descriptor of the output (M, H*D), one consumer warpgroup's tile (64, D) a copy, made once per buffer."""
+        key = (out.data_ptr(), out.dtype)
+        if key not in self._descriptors:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            dtype = gl.float8e4nv if out.dtype == torch.float8_e4m3fn else gl.bfloat16
+            layout = gl.NVMMASharedLayout.get_default_for([64, self.D], dtype)
+            self._descriptors[key] = TensorDescriptor.from_tensor(out, [64, self.D], layout)
+        return self._descriptors[key]
+
 
 def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 128, stages: int = 3,
                        maxnreg: int | None = None, pingpong: bool = False, renamed_p: bool = True, out_fp8: bool = False,
-                       tree_max: bool = True, exp2: str = "mufu", row_sum: str = "fma"):
+                       tree_max: bool = True, exp2: str = "mufu", row_sum: str = "fma", tma_out: bool = False):
     """Build the kernel for sm_90a on any machine, GPU or not (Triton ships ptxas): the compiled
     kernel, its PTX under `.asm["ptx"]`. The launch signature depends on tile shapes only."""
     import torch
@@ -480,18 +517,23 @@ def compile_for_hopper(head_dim: int = 128, block_m: int = 64, block_n: int = 12
 
     att = WarpSpecializedFP8Attention(1, block_m, block_n, head_dim, block_m=block_m, block_n=block_n, stages=stages,
                                       maxnreg=maxnreg, pingpong=pingpong, renamed_p=renamed_p, exp2=exp2,
-                                      row_sum=row_sum)
+                                      row_sum=row_sum, tma_out=tma_out)
     fp8 = torch.float8_e4m3fn
     descs = att.descriptors(torch.zeros(1, block_m, head_dim, dtype=fp8), torch.zeros(1, block_n, head_dim, dtype=fp8),
                             torch.zeros(1, head_dim, block_n, dtype=fp8))
+    out = torch.zeros(block_m, head_dim, dtype=fp8 if out_fp8 else torch.bfloat16)
+    out_desc = att.out_descriptor(out) if tma_out else descs[0]
     signature = {"q_desc": mangle_type(descs[0]), "k_desc": mangle_type(descs[1]), "vt_desc": mangle_type(descs[2]),
-                 "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*fp8e4nv" if out_fp8 else "*bf16", "s_om": "i32", "M": "i32",
+                 "valid": "*i8", "tile_live": "*i8", "qk_scale": "*fp32", "v_scale": "*fp32", "out": "*fp8e4nv" if out_fp8 else "*bf16", "s_om": "i32",
+                 "out_desc": mangle_type(out_desc), "M": "i32",
                  "S": "i32", "D": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr",
                  "CONSUMER_REGS": "constexpr", "RENAMED_P": "constexpr", "PINGPONG": "constexpr", "OUT_FP8": "constexpr",
+                 "TMA_OUT": "constexpr",
                  "TREE_MAX": "constexpr", "EXP2_UNIT": "constexpr", "ROW_SUM_TC": "constexpr",
                  "num_warps": "constexpr"}
     constants = {"D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
                  "CONSUMER_REGS": att.consumer_regs, "RENAMED_P": renamed_p, "PINGPONG": pingpong, "OUT_FP8": out_fp8,
+                 "TMA_OUT": tma_out,
                  "TREE_MAX": tree_max, "EXP2_UNIT": exp2, "ROW_SUM_TC": row_sum == "tensor",
                  "num_warps": att.num_warps}
     return triton.compile(GluonASTSource(_attn_ws_kernel, signature, constexprs=constants),
