@@ -359,6 +359,16 @@ def test_tma_out_writes_the_output_through_shared_memory_and_the_copy_engine():
         assert spill_store_bytes(staged.asm["ptx"]) <= spill_store_bytes(plain.asm["ptx"])
 
 
+def test_tma_out_refuses_an_output_a_tma_descriptor_cannot_address():
+    att = WarpSpecializedFP8Attention(2, 70, 320, 64, block_m=128, tma_out=True)
+    rows = torch.zeros(70, 2 * 64 + 8, dtype=torch.bfloat16)
+    att.out_descriptor(rows[:, :128])  # a row stride of 272 bytes: fine
+    with pytest.raises(ValueError, match="row stride of 260 bytes"):
+        att.out_descriptor(torch.zeros(70, 130, dtype=torch.bfloat16)[:, :128])
+    with pytest.raises(ValueError, match="got address 2 past 16 bytes"):
+        att.out_descriptor(rows.view(-1)[1:1 + 70 * 128].view(70, 128))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("block_m, S", [(128, 5824), (128, 320), (64, 1024)])

@@ -495,7 +495,10 @@ class WarpSpecializedFP8Attention:
 
     def out_descriptor(self, out: torch.Tensor):
         """TMA descriptor of the output (M, H*D), one consumer warpgroup's tile (64, D) a copy, made once per buffer."""
-        key = (out.data_ptr(), out.dtype)
+        key = (out.data_ptr(), out.dtype, tuple(out.shape), out.stride(0))
+        if out.data_ptr() % 16 or (out.stride(0) * out.element_size()) % 16:  # what a TMA descriptor takes
+            raise ValueError(f"tma_out needs the output's start and row stride 16-byte aligned, got address "
+                             f"{out.data_ptr() % 16} past 16 bytes and a row stride of {out.stride(0) * out.element_size()} bytes")
         if key not in self._descriptors:
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
