@@ -322,6 +322,12 @@ def _consumer(q_smem, k_smem, v_smem, ones_smem, q_bar, k_ready, k_empty, v_read
 
 
 @gluon.jit
+def _per_consumer(buf, rows: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The first and the last consumer warpgroup's `rows` rows of a shared buffer of CONSUMERS * rows rows."""
+    return buf.slice(0, rows), buf.slice(rows * (CONSUMERS - 1), rows)
+
+
+@gluon.jit
 def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale, out, s_om, out_desc, M, S,
                     D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, RENAMED_P: gl.constexpr, PINGPONG: gl.constexpr, OUT_FP8: gl.constexpr,
@@ -334,20 +340,14 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BLOCK_N], vt_desc.layout)
     if ROW_SUM_TC:  # 8 columns of ones, K-major like Vᵀ's tiles (one per consumer warpgroup: each writes its own)
-        ones_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS * 8, BLOCK_N],
-                                              gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float8e4nv))
-        ones_a = ones_smem.slice(0, 8)
-        ones_b = ones_smem.slice(8 * (CONSUMERS - 1), 8)
+        ones_a, ones_b = _per_consumer(gl.allocate_shared_memory(
+            gl.float8e4nv, [CONSUMERS * 8, BLOCK_N], gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float8e4nv)), 8, CONSUMERS)
     else:  # never read
-        ones_a = q_smem
-        ones_b = q_smem
+        ones_a, ones_b = q_smem, q_smem
     if TMA_OUT:  # each consumer warpgroup's output tile on its way to global memory
-        o_smem = gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * 64, D], out_desc.layout)
-        o_a = o_smem.slice(0, 64)
-        o_b = o_smem.slice(64 * (CONSUMERS - 1), 64)
+        o_a, o_b = _per_consumer(gl.allocate_shared_memory(out_desc.dtype, [CONSUMERS * 64, D], out_desc.layout), 64, CONSUMERS)
     else:  # never written
-        o_a = q_smem
-        o_b = q_smem
+        o_a, o_b = q_smem, q_smem
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -496,10 +496,10 @@ class WarpSpecializedFP8Attention:
     def out_descriptor(self, out: torch.Tensor):
         """TMA descriptor of the output (M, H*D), one consumer warpgroup's tile (64, D) a copy, made once per buffer."""
         key = (out.data_ptr(), out.dtype, tuple(out.shape), out.stride(0))
-        if out.data_ptr() % 16 or (out.stride(0) * out.element_size()) % 16:  # what a TMA descriptor takes
-            raise ValueError(f"tma_out needs the output's start and row stride 16-byte aligned, got address "
-                             f"{out.data_ptr() % 16} past 16 bytes and a row stride of {out.stride(0) * out.element_size()} bytes")
-        if key not in self._descriptors:
+        if key not in self._descriptors:  # the key fixes the start and row stride: checked once per buffer
+            if out.data_ptr() % 16 or (out.stride(0) * out.element_size()) % 16:  # what a TMA descriptor takes
+                raise ValueError(f"tma_out needs the output's start and row stride 16-byte aligned, got address "
+                                 f"{out.data_ptr() % 16} past 16 bytes and a row stride of {out.stride(0) * out.element_size()} bytes")
             from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
             dtype = gl.float8e4nv if out.dtype == torch.float8_e4m3fn else gl.bfloat16
