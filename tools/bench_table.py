@@ -603,9 +603,10 @@ def step_energy(step: dict) -> list[str]:
     return out + [""]
 
 
-def earlier_step_run(step: dict, earlier: dict | None, name: str) -> list[str]:
-    """An earlier run of the same step benchmark, in another session on a machine of the same kind, beside this one: how
-    much the part that did not change between the two (the GEMMs) moved with the machine and its clock."""
+def earlier_step_run(step: dict, name: str) -> list[str]:
+    """An earlier run of the same step benchmark (result `name`), in another session on a machine of the same kind,
+    beside this one: how much the part that did not change between the two (the GEMMs) moved with the machine and its clock."""
+    earlier = load(name)
     if not earlier or "sm_clock_mhz" not in earlier["serving"] or "sm_clock_mhz" not in step["serving"]:
         return []
     s, e = step["serving"], earlier["serving"]
@@ -702,7 +703,7 @@ def main() -> None:
                     "The target row above is the back-to-back figure.", ""]
         out += step_graph_time(s)
         out += step_energy(step)
-        out += earlier_step_run(step, load("step_57b_tp3_h200_2026-11-30.json"), "step_57b_tp3_h200_2026-11-30.json")
+        out += earlier_step_run(step, "step_57b_tp3_h200_2026-11-30.json")
         for key, setting, what in (("step_ms_with_branch_streams", "branch-streams on", "each block's MLP branch on a side stream"),
                                    ("step_ms_without_branch_streams", "branch-streams off", "each block's MLP branch in line"),
                                    ("step_ms_with_fast_accum", "fast-accum on", "the FP8 GEMMs' fast accumulation"),
@@ -756,9 +757,11 @@ def main() -> None:
                     "(`docs/results/step_57b_tp3_h200_gemm_workspace_1024.json`).", ""]
         served = s.get("attention_kernel_options") or {}
         if served.get("exp2") == "e4m3_bits":  # the profiles below come from runs before the kernel served its codes
+            from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS
+
             out += ["The profile, the timeline and the clock log below come from runs of an earlier commit, whose step served "
-                    "the warp-specialised attention with P as the e4m3 value nearest 2^x, row sums in FP32, 64-row tiles, "
-                    f"3 stages (the step above: {ws_options(served)}); the GEMMs and the other kernels are as above.", ""]
+                    f"the warp-specialised attention with {ws_options(NEAREST_P_OPTIONS)} (the step above: "
+                    f"{ws_options(served)}); the GEMMs and the other kernels are as above.", ""]
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"], s.get("gemm_ms"))
         out += step_timeline(load("step_timeline_57b_tp3_h200.json"), step)
         power = power_summary("step_57b_tp3_h200_smi.csv")
