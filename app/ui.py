@@ -3,7 +3,9 @@ panel beside the engine's health, and the recorded sessions with their latency p
 
 from __future__ import annotations
 
+import contextlib
 import html
+import warnings
 from typing import Any
 
 import gradio as gr
@@ -14,6 +16,19 @@ from app.latency import render_panel
 from app.recorder import find_recording, list_recordings
 from engine.character import PRESETS
 from engine.config import get_spec
+
+# Gradio 5 announces Gradio 6 changes for settings whose Gradio 5 behaviour this app relies on: Chatbot's
+# allow_tags=False and HTML's padding (it warns about them whatever the value), theme and head in the Blocks
+# constructor (Gradio 5's launch() takes neither).
+_GRADIO6_NOTICES = (r"The default value of '(allow_tags|padding)' in gr\.(Chatbot|HTML)"
+                    r"|The '(theme|head)' parameter in the Blocks constructor")
+
+
+@contextlib.contextmanager
+def _gradio6_notices_silenced():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_GRADIO6_NOTICES, category=DeprecationWarning)
+        yield
 
 STAGE_HTML = """
 <div id="tl-stage">
@@ -102,7 +117,7 @@ def build_ui(controller: Controller) -> gr.Blocks:
 
     # System fonts: the default theme would fetch web fonts, and the app reaches no one outside.
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
-    with gr.Blocks(title="talkloop", analytics_enabled=False, head=HEAD, theme=theme) as demo:
+    with _gradio6_notices_silenced(), gr.Blocks(title="talkloop", analytics_enabled=False, head=HEAD, theme=theme) as demo:
         gr.Markdown("# talkloop: talk to the character")
         with gr.Tab("Live"):
             with gr.Row():

@@ -285,6 +285,25 @@ def test_hls_fallback_streams_the_live_session_as_playable_segments(tmp_path):
     assert abs(starts[1] - starts[0] - 1.0) < 0.01  # the second segment picks up where the first ended
 
 
+def test_the_page_builds_without_gradio_6_notices(tmp_path):
+    """Gradio 5 announces Gradio 6 changes for settings the page relies on (warning whatever their value);
+    building the page, for either transport, shows none of them."""
+    import warnings
+
+    from app.controller import Controller
+    from app.ui import build_ui
+
+    for transport in ("webrtc", "hls"):
+        controller = Controller(_config(tmp_path, transport=transport))
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                build_ui(controller)
+        finally:
+            controller.close()
+        assert not [str(w.message) for w in caught if "Gradio 6" in str(w.message)], transport
+
+
 def test_hls_microphone_chunks_become_mono_float():
     from app.hls import mic_chunk_to_float
 
