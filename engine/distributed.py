@@ -219,8 +219,16 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
         outbox.put(("ready", rank, None))
         while True:
             cmd, *args = commands.get()
-            if cmd == "stop":
+            if cmd == "exit":  # the decoders are done (or given up on): what is still queued for them can go
+                for q in latents:
+                    q.cancel_join_thread()
                 break
+            if cmd == "stop":  # close(): no more steps. Rank 0 ends its decoders' queues behind the latents it sent,
+                # then this process stays (holding those latents) until close() has seen the decoders finish
+                if rank == 0:
+                    for q in latents:
+                        q.put(None)
+                continue
             if cmd == "start":
                 session.start(args[0])
             elif cmd == "step":
@@ -257,10 +265,13 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
             torch.set_num_threads(1)
         _, codec, _ = load_engine(job.spec, weights=job.weights, device=device, seed=job.seed)
         outbox.put(("ready", slot, None))
+        decoded = 0
         while True:
             item = latents.get()
             if item is None:
+                outbox.put(("done", slot, decoded))
                 break
+            decoded += 1
             index, latent, step_ms = item
             t0 = time.perf_counter()
             frames = codec.decode(latent.to(device)).cpu()
@@ -296,6 +307,7 @@ class DistributedEngine:
         self.timings: list[dict] = []  # per step: step_ms (diffusion, rank 0), decode_ms, delivered (monotonic s)
         self._next = 0
         self.closed = False
+        self.uncollected_at_close: int | None = None  # steps decoded, never collected: known once close() has drained
         for p in self._procs:
             p.start()
         for _ in self._procs:
@@ -383,10 +395,18 @@ class DistributedEngine:
         if self.closed:
             return
         self.closed = True
-        for q in self._latents:  # decoders first: they may still map latents the ranks own
-            q.put(None)
+        healthy = all(p.is_alive() for p in self._procs)
         for q in self._commands:
             q.put(("stop",))
+        if healthy:
+            # The ranks finish the steps still submitted and rank 0 ends each decoder's queue behind its latents:
+            # the decoders decode those and let go of them before any rank exits. A rank's process that exits
+            # while a decoder still maps its latents (through CUDA IPC) would leave them in use past its end.
+            self._drain_decoders(deadline=time.monotonic() + 5.0)
+        for q in self._latents:  # decoders still waiting: rank 0 gone, stuck, or the drain timed out
+            q.put(None)
+        for q in self._commands:
+            q.put(("exit",))
         for p in self._decoders + self._ranks:
             p.join(timeout=5)
             if p.is_alive():
@@ -397,6 +417,21 @@ class DistributedEngine:
             # it: this process's feeder thread would wait for it forever, and Python joins feeder threads at
             # exit. The processes are gone, so what is still buffered for them can be dropped.
             q.cancel_join_thread()
+
+    def _drain_decoders(self, deadline: float) -> None:
+        """Wait for each decoder's word that it has decoded all it was sent, reading (and dropping) the frames of
+        the steps no one collected meanwhile: a process cannot exit while its queue holds more than the pipe
+        takes and no one reads it. `uncollected_at_close`: those steps, counted from the decoders' totals."""
+        decoded: dict[int, int] = {}
+        while len(decoded) < len(self._decoders) and time.monotonic() < deadline and self._ranks[0].is_alive():
+            try:
+                kind, slot, payload = self._outbox.get(timeout=0.05)
+            except (queue.Empty, OSError, EOFError):  # OSError: frames whose decoder exited before they were read
+                continue
+            if kind == "done":
+                decoded[slot] = payload
+        if len(decoded) == len(self._decoders):
+            self.uncollected_at_close = sum(decoded.values()) - self._next
 
     def __enter__(self) -> "DistributedEngine":
         return self

@@ -99,6 +99,19 @@ def test_a_dead_rank_gives_a_clear_error_and_a_new_engine_starts():
         assert fresh.next_frames()[0] == 0
 
 
+def test_closing_decodes_the_steps_still_in_flight_before_the_ranks_exit():
+    """Steps submitted but not collected are decoded while the engine closes, rank 0 still alive (on a GPU its
+    latents reach the decoder through CUDA IPC: a rank that exits first leaves them mapped past its end)."""
+    engine = DistributedEngine(SPEC6, Placement(cpu_ranks=1), timeout=120)
+    engine.start(reference_latent(SPEC6))
+    for t in range(3):
+        engine.submit_step(features(t), t * 4)
+    assert engine.next_frames()[0] == 0
+    engine.close()
+    assert engine.uncollected_at_close == 2
+    assert [p.exitcode for p in engine._procs] == [0] * len(engine._procs)
+
+
 HELD_LOCK_SCRIPT = """
 import multiprocessing as mp, os, signal, sys
 from engine.distributed import DistributedEngine, Placement
@@ -227,3 +240,33 @@ def test_two_gpus_give_the_frames_of_one():
         two = gpu_engine_frames(Placement((0, 1), ()), overlap=overlap)
         diff = (two - one).abs()
         assert diff.mean().item() <= 1.0 and diff.max().item() <= 12, (overlap, diff.mean().item(), diff.max().item())
+
+
+IPC_CLOSE_SCRIPT = """
+import torch
+from engine.distributed import DistributedEngine, Placement
+from tests.helpers import reference_latent
+from tests.test_distributed import GPU_SPEC
+
+if __name__ == "__main__":
+    with DistributedEngine(GPU_SPEC, Placement((0,), ()), timeout=300) as engine:  # the decoder: its own process
+        engine.start(reference_latent(GPU_SPEC))
+        for t in range(4):
+            engine.submit_step(torch.zeros(4, GPU_SPEC.n_mels), t * 4)
+        engine.next_frames()
+    print("closed", engine.uncollected_at_close, flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_closing_with_steps_in_flight_leaves_no_latent_mapped_past_its_owner(tmp_path):
+    """On a GPU the decoder process maps rank 0's latents through CUDA IPC. Closed with steps in flight, the
+    engine lets the decoder finish with them before rank 0 exits: PyTorch warns at a producer's exit while a
+    tensor it shared is still held elsewhere, and that warning must not appear."""
+    script = tmp_path / "ipc_close.py"
+    script.write_text(IPC_CLOSE_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0 and "closed 3" in done.stdout, done.stdout + done.stderr
+    assert "Producer process has been terminated" not in done.stderr, done.stderr
