@@ -426,8 +426,8 @@ class DistributedEngine:
         while len(decoded) < len(self._decoders) and time.monotonic() < deadline and self._ranks[0].is_alive():
             try:
                 kind, slot, payload = self._outbox.get(timeout=0.05)
-            except (queue.Empty, OSError, EOFError):  # OSError: frames whose decoder exited before they were read
-                continue
+            except Exception:  # nothing yet; or frames whose decoder exited before they were read (their memory
+                continue  # went with it), or a message cut short by an interrupted read: the deadline bounds this
             if kind == "done":
                 decoded[slot] = payload
         if len(decoded) == len(self._decoders):
