@@ -18,8 +18,8 @@ from engine.character import PRESETS
 from engine.config import get_spec
 
 # Gradio 5 announces Gradio 6 changes for settings whose Gradio 5 behaviour this app relies on: Chatbot's
-# allow_tags=False and HTML's padding (it warns about them whatever the value), theme and head in the Blocks
-# constructor (Gradio 5's launch() takes neither).
+# allow_tags=False (it warns unless allow_tags=True), HTML's padding (it warns while padding is True, its
+# default), theme and head in the Blocks constructor (Gradio 5's launch() takes neither).
 _GRADIO6_NOTICES = (r"The default value of '(allow_tags|padding)' in gr\.(Chatbot|HTML)"
                     r"|The '(theme|head)' parameter in the Blocks constructor")
 

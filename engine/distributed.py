@@ -317,7 +317,7 @@ class DistributedEngine:
     def _check_alive(self) -> None:
         for p in self._procs:
             if not p.is_alive() and p.exitcode not in (0, None):
-                self.close()
+                self._close(drain=False)  # something failed: no waiting on the processes
                 raise RuntimeError(f"{p.name} died (exit code {p.exitcode}); start a new engine to continue")
 
     def _get(self, timeout: float):
@@ -329,18 +329,18 @@ class DistributedEngine:
                 waited += 0.5
                 self._check_alive()
                 if waited >= timeout:
-                    self.close()
+                    self._close(drain=False)  # something failed: no waiting on the processes
                     raise RuntimeError(f"no answer from the engine processes in {timeout:.0f} s") from None
                 continue
             except (OSError, EOFError) as e:  # a process died while its tensor was being handed over
                 for _ in range(20):  # its sockets close before it can be reaped: give the death a moment to show
                     self._check_alive()
                     time.sleep(0.1)
-                self.close()
+                self._close(drain=False)  # something failed: no waiting on the processes
                 raise RuntimeError(f"lost a message from the engine processes ({type(e).__name__}: {e}); "
                                    "start a new engine to continue") from e
             if item[0] == "error":
-                self.close()
+                self._close(drain=False)  # something failed: no waiting on the processes
                 raise RuntimeError(f"{item[1]} failed:\n{item[2]}")
             return item
 
@@ -392,44 +392,55 @@ class DistributedEngine:
         self._commands[rank].put(("fail",))
 
     def close(self) -> None:
+        """Stop every process. The steps still submitted are finished and decoded (their frames dropped, counted in
+        `uncollected_at_close`) before any rank exits: a rank that exits while a decoder still maps its latents
+        (through CUDA IPC) leaves them in use past its end. Bounded: after 5 s the processes are stopped anyway."""
+        self._close(drain=True)
+
+    def _close(self, drain: bool) -> None:
         if self.closed:
             return
         self.closed = True
-        healthy = all(p.is_alive() for p in self._procs)
-        for q in self._commands:
-            q.put(("stop",))
-        if healthy:
-            # The ranks finish the steps still submitted and rank 0 ends each decoder's queue behind its latents:
-            # the decoders decode those and let go of them before any rank exits. A rank's process that exits
-            # while a decoder still maps its latents (through CUDA IPC) would leave them in use past its end.
-            self._drain_decoders(deadline=time.monotonic() + 5.0)
-        for q in self._latents:  # decoders still waiting: rank 0 gone, stuck, or the drain timed out
-            q.put(None)
-        for q in self._commands:
-            q.put(("exit",))
-        for p in self._decoders + self._ranks:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+        try:
+            for q in self._commands:  # the ranks finish what was submitted; rank 0 then ends its decoders' queues
+                q.put(("stop",))
+            if drain and all(p.is_alive() for p in self._procs):
+                self._drain_decoders(deadline=time.monotonic() + 5.0)
+        finally:
+            for q in self._latents:  # decoders still waiting: rank 0 gone, stuck, or no drain
+                q.put(None)
+            for q in self._commands:
+                q.put(("exit",))
+            for p in self._decoders + self._ranks:
                 p.join(timeout=5)
-        for q in self._commands + self._latents:  # the queues this process writes to
-            # A process killed while it held a queue's write lock (a crash, or fault injection) never releases
-            # it: this process's feeder thread would wait for it forever, and Python joins feeder threads at
-            # exit. The processes are gone, so what is still buffered for them can be dropped.
-            q.cancel_join_thread()
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+            for q in self._commands + self._latents:  # the queues this process writes to
+                # A process killed while it held a queue's write lock (a crash, or fault injection) never releases
+                # it: this process's feeder thread would wait for it forever, and Python joins feeder threads at
+                # exit. The processes are gone, so what is still buffered for them can be dropped.
+                q.cancel_join_thread()
 
     def _drain_decoders(self, deadline: float) -> None:
         """Wait for each decoder's word that it has decoded all it was sent, reading (and dropping) the frames of
         the steps no one collected meanwhile: a process cannot exit while its queue holds more than the pipe
         takes and no one reads it. `uncollected_at_close`: those steps, counted from the decoders' totals."""
         decoded: dict[int, int] = {}
-        while len(decoded) < len(self._decoders) and time.monotonic() < deadline and self._ranks[0].is_alive():
+
+        def waiting() -> bool:  # for a decoder that can still answer, while rank 0 can still end its queue
+            pending = [p for slot, p in enumerate(self._decoders) if slot not in decoded]
+            return bool(pending) and all(p.is_alive() for p in pending) and self._ranks[0].is_alive()
+
+        while waiting() and time.monotonic() < deadline:
             try:
                 kind, slot, payload = self._outbox.get(timeout=0.05)
             except Exception:  # nothing yet; or frames whose decoder exited before they were read (their memory
                 continue  # went with it), or a message cut short by an interrupted read: the deadline bounds this
             if kind == "done":
                 decoded[slot] = payload
+            elif kind == "error":  # a process failed: no decoder's word will come from there
+                return
         if len(decoded) == len(self._decoders):
             self.uncollected_at_close = sum(decoded.values()) - self._next
 
