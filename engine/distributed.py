@@ -428,15 +428,21 @@ class DistributedEngine:
         takes and no one reads it. `uncollected_at_close`: those steps, counted from the decoders' totals."""
         decoded: dict[int, int] = {}
 
-        def waiting() -> bool:  # for a decoder that can still answer, while rank 0 can still end its queue
+        def can_still_answer() -> bool:  # every decoder yet to answer lives, and so does rank 0 that ends their queues
             pending = [p for slot, p in enumerate(self._decoders) if slot not in decoded]
-            return bool(pending) and all(p.is_alive() for p in pending) and self._ranks[0].is_alive()
+            return all(p.is_alive() for p in pending) and self._ranks[0].is_alive()
 
-        while waiting() and time.monotonic() < deadline:
+        last_look = False
+        while len(decoded) < len(self._decoders) and time.monotonic() < deadline:
             try:
                 kind, slot, payload = self._outbox.get(timeout=0.05)
-            except Exception:  # nothing yet; or frames whose decoder exited before they were read (their memory
-                continue  # went with it), or a message cut short by an interrupted read: the deadline bounds this
+            except queue.Empty:
+                if last_look:
+                    return
+                last_look = not can_still_answer()  # what a gone process sent before its end is still in the pipe
+                continue
+            except Exception:  # frames whose decoder exited before they were read (their memory went with it), or
+                continue  # a message cut short by an interrupted read: the deadline bounds this
             if kind == "done":
                 decoded[slot] = payload
             elif kind == "error":  # a process failed: no decoder's word will come from there
