@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any hub access would fail loudly
 
@@ -269,3 +271,33 @@ def test_audio_history_ring_keeps_absolute_sample_indices():
     np.testing.assert_array_equal(ring.slice(0, 37), stream[27:])
     np.testing.assert_array_equal(ring.slice(30, 33), stream[30:33])
     assert ring.slice(40, 50).size == 0
+
+
+HELD_AT_EXIT_SCRIPT = """
+import threading, time
+import numpy as np
+from voice.loop import VoiceLoop
+
+class Sink:
+    def push_audio(self, pcm, sample_rate): pass
+    def clear(self): pass
+
+if __name__ == "__main__":
+    loop = VoiceLoop(Sink(), asr=object(), tts=object(), agent=object())
+    loop.feed(np.zeros(4800, np.float32), 48000)  # browser-rate audio: the loop makes a resampler
+    loop.close()
+    threading.Thread(target=lambda held=loop: time.sleep(60), daemon=True).start()  # held past exit, as an app thread may
+    print("closed", flush=True)
+"""
+
+
+def test_a_closed_loop_still_held_at_exit_leaves_no_resampler_behind(tmp_path):
+    """A loop that resampled browser audio and was closed, but is still referenced when the interpreter exits
+    (by a daemon thread, say), holds no libsoxr object then: nanobind would report it as leaked."""
+    script = tmp_path / "held_at_exit.py"
+    script.write_text(HELD_AT_EXIT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0 and "closed" in done.stdout, done.stderr
+    assert "leaked" not in done.stderr, done.stderr

@@ -210,9 +210,10 @@ class VoiceLoop:
             raise RuntimeError("VoiceLoop is closed")
         audio = to_mono_float32(pcm, sample_rate, target_rate=sample_rate, max_seconds=self.config.max_chunk_s)
         if sample_rate != SAMPLE_RATE:
-            if self._resampler is None or self._resampler.from_rate != sample_rate:
-                self._resampler = StreamResampler(sample_rate, SAMPLE_RATE)
-            audio = self._resampler.process(audio)
+            resampler = self._resampler  # close() may drop it from another thread meanwhile
+            if resampler is None or resampler.from_rate != sample_rate:
+                resampler = self._resampler = StreamResampler(sample_rate, SAMPLE_RATE)
+            audio = resampler.process(audio)
             if audio.size == 0:
                 return
         t = now()
@@ -280,6 +281,9 @@ class VoiceLoop:
         self._replies.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
+        # feed() refuses from here on: let the resampler (a libsoxr object) go now rather than with the loop,
+        # which an app thread may hold until the interpreter's exit (nanobind then reports it leaked)
+        self._resampler = None
 
     def __enter__(self) -> "VoiceLoop":
         return self
