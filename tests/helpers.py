@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from engine import fp8
@@ -10,6 +15,15 @@ from engine.model import build_model
 from engine.session import EngineSession
 
 TINY = get_spec("tiny")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(path: Path, text: str, timeout: float) -> subprocess.CompletedProcess:
+    """Write `text` to `path` and run it as a fresh Python process from the repository root (its own interpreter
+    start and exit, what the test looks at), stdout and stderr captured."""
+    path.write_text(text)
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def tiny_model(seed: int = 1):

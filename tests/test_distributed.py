@@ -3,8 +3,6 @@ pipeline, placement and failures. Tolerance for TP vs one process: decoded frame
 (the all-reduce adds partial sums in another order than one matmul does)."""
 
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -19,7 +17,7 @@ from engine.distributed import DistributedEngine, OverlappedCombine, Placement, 
 from engine.model import build_model
 from engine.parallel import shard_model_
 from engine.session import EngineSession
-from tests.helpers import TINY, reference_latent
+from tests.helpers import TINY, reference_latent, run_script
 
 SPEC6 = TINY.with_(name="tiny6", dim=96, n_heads=6, mlp_hidden=192)  # heads split 2 and 3 ways
 STEPS = 7
@@ -163,11 +161,7 @@ if __name__ == "__main__":
 
 
 def test_closing_after_a_process_died_holding_a_queue_lock_does_not_hang_the_exit(tmp_path):
-    script = tmp_path / "held_lock.py"
-    script.write_text(HELD_LOCK_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
-                          env={**os.environ, "PYTHONPATH": root})
+    done = run_script(tmp_path / "held_lock.py", HELD_LOCK_SCRIPT, timeout=120)
     assert done.returncode == 0 and "closed" in done.stdout, done.stderr
 
 
@@ -282,10 +276,6 @@ def test_closing_with_steps_in_flight_leaves_no_latent_mapped_past_its_owner(tmp
     engine with two steps in flight; with the ranks stopped before the decoders had decoded them, PyTorch
     warned at rank 0's exit that tensors it shared were still held. The engine now lets the decoder finish
     with them first, and the warning must not appear."""
-    script = tmp_path / "ipc_close.py"
-    script.write_text(IPC_CLOSE_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root,
-                          env={**os.environ, "PYTHONPATH": root})
+    done = run_script(tmp_path / "ipc_close.py", IPC_CLOSE_SCRIPT, timeout=300)
     assert done.returncode == 0 and "closed" in done.stdout, done.stdout + done.stderr
     assert "Producer process has been terminated" not in done.stderr, done.stderr

@@ -1,6 +1,4 @@
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # any hub access would fail loudly
 
@@ -11,6 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from tests.helpers import run_script
 from voice.agent import PersonaAgent
 from voice.asr import WhisperASR
 from voice.audio import SAMPLE_RATE, resample
@@ -294,10 +293,6 @@ if __name__ == "__main__":
 def test_a_closed_loop_still_held_at_exit_leaves_no_resampler_behind(tmp_path):
     """A loop that resampled browser audio and was closed, but is still referenced when the interpreter exits
     (by a daemon thread, say), holds no libsoxr object then: nanobind would report it as leaked."""
-    script = tmp_path / "held_at_exit.py"
-    script.write_text(HELD_AT_EXIT_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
-                          env={**os.environ, "PYTHONPATH": root})
+    done = run_script(tmp_path / "held_at_exit.py", HELD_AT_EXIT_SCRIPT, timeout=120)
     assert done.returncode == 0 and "closed" in done.stdout, done.stderr
     assert "leaked" not in done.stderr, done.stderr
