@@ -79,18 +79,21 @@ class Controller:
             self.stop()
             preset = preset or self.config.preset
             record = self.config.record if record is None else record
-            character, engine = self.host.new_character(preset)
-            recorder = None
+            character, engine = self.host.new_character(preset)  # started: stopped below if the rest fails
             live = LiveSession(character, engine, preset)
-            if record:
-                recorder = SessionRecorder(self.config.recordings_dir, live.session_id, self.host.spec.fps, self.host.spec.image_size,
-                                           {"preset": preset, "spec": self.host.spec.name, "device": str(self.host.device),
-                                            "trained_weights": self.host.trained})
-                live.recorder = recorder
-            if self.voice is not None:
-                live.attach_voice(self.voice)
-            live.on_failure = self._on_failure
-            live.start()
+            try:
+                if record:
+                    live.recorder = SessionRecorder(self.config.recordings_dir, live.session_id, self.host.spec.fps,
+                                                    self.host.spec.image_size,
+                                                    {"preset": preset, "spec": self.host.spec.name, "device": str(self.host.device),
+                                                     "trained_weights": self.host.trained})
+                if self.voice is not None:
+                    live.attach_voice(self.voice)
+                live.on_failure = self._on_failure
+                live.start()
+            except BaseException:  # e.g. a recordings folder that cannot be made: no engine left running behind
+                live.stop(session_log=None)
+                raise
             self.live, self.client_error = live, None
             if self.config.audio_input == "local":
                 self._start_local_mic(live)
@@ -142,7 +145,8 @@ class Controller:
         shown = self.shown()
         found = [self.engine_error, self.voice_error, self.mic_error, self.client_error,
                  shown.failure if shown else None,
-                 shown.recorder.error if shown and shown.recorder else None]
+                 shown.recorder.error if shown and shown.recorder else None,
+                 shown.voice.trace.error if shown and shown.voice else None]
         return [f for f in found if f]
 
     def health(self) -> dict[str, Any]:

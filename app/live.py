@@ -63,6 +63,7 @@ class TranscriptLine:
     role: str  # "user" or "assistant"
     text: str
     final: bool = False
+    interrupted: bool = False  # an assistant reply cut short: text is what was sent to be spoken
 
 
 @dataclass
@@ -175,6 +176,13 @@ class LiveSession:
                 line.text, line.final = event.text, True
                 if self.recorder is not None:
                     self.recorder.add_line("assistant", event.turn_id, event.text)
+            elif event.kind == "agent_interrupted":
+                line = self._line(event.turn_id, "assistant")
+                line.text, line.final, line.interrupted = event.text, True, True
+                if not event.text:  # nothing of it was spoken
+                    self.transcript.remove(line)
+                elif self.recorder is not None:
+                    self.recorder.add_line("assistant", event.turn_id, event.text, interrupted=True)
             elif event.kind == "error":
                 self.transcript.append(TranscriptLine(event.turn_id, "error", event.text, True))
 
@@ -195,7 +203,10 @@ class LiveSession:
         if self.stats is not None:
             return self.stats
         if self.voice is not None:
-            self.voice.close()
+            try:
+                self.voice.close()
+            except Exception:  # the character, engine and recording are closed all the same
+                log.exception("closing the voice loop failed")
         try:
             self.stats = self.character.stop(session_log=session_log)
         except Exception as e:  # the session log must not stop the shutdown

@@ -44,9 +44,10 @@ class SessionRecorder:
             log.exception("recording failed")
             self._close_video()
 
-    def add_line(self, role: str, turn_id: int, text: str) -> None:
+    def add_line(self, role: str, turn_id: int, text: str, interrupted: bool = False) -> None:
+        row = {"t": round(time.time(), 3), "turn_id": turn_id, "role": role, "text": text, **({"interrupted": True} if interrupted else {})}
         with open(self.folder / TRANSCRIPT, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"t": round(time.time(), 3), "turn_id": turn_id, "role": role, "text": text}) + "\n")
+            f.write(json.dumps(row) + "\n")
             f.flush()
 
     def _close_video(self) -> None:
@@ -84,7 +85,7 @@ class Recording:
         from voice.trace import read_jsonl
 
         path = self.folder / TRACE
-        return sorted(read_jsonl(path), key=lambda r: r["turn_id"]) if path.is_file() else []
+        return sorted(read_jsonl(path), key=lambda r: int(r["turn_id"])) if path.is_file() else []
 
     def transcript(self) -> list[dict[str, Any]]:
         path = self.folder / TRANSCRIPT

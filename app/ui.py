@@ -39,6 +39,9 @@ STAGE_HTML = """
 HEAD = '<link rel="stylesheet" href="/talkloop/static/talkloop.css"><script src="/talkloop/static/talkloop.js"></script>'
 
 
+INTERRUPTED = " (interrupted)"  # after a reply cut short by the user or a stop
+
+
 def _messages(lines) -> list[dict[str, str]]:
     out = []
     for line in lines:
@@ -46,6 +49,8 @@ def _messages(lines) -> list[dict[str, str]]:
             continue
         role = "assistant" if line.role in ("assistant", "error") else "user"
         text = line.text if line.role != "error" else f"⚠ {line.text}"
+        if getattr(line, "interrupted", False):
+            text += INTERRUPTED
         out.append({"role": role, "content": text if line.final or line.role != "user" else f"{text} …"})
     return out
 
@@ -111,8 +116,9 @@ def build_ui(controller: Controller) -> gr.Blocks:
         if not name:
             return None, "", []
         rec = find_recording(config.recordings_dir, name)
-        lines = [{"role": "assistant" if row.get("role") == "assistant" else "user", "content": row.get("text", "")}
-                 for row in rec.transcript()]
+        lines = [{"role": "assistant" if row.get("role") == "assistant" else "user",
+                  "content": str(row.get("text", "")) + (INTERRUPTED if row.get("interrupted") else "")}
+                 for row in rec.transcript() if isinstance(row, dict)]
         return str(rec.video), render_panel(rec.trace()), lines
 
     # System fonts: the default theme would fetch web fonts, and the app reaches no one outside.

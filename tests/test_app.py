@@ -139,8 +139,76 @@ def test_recording_survives_and_lists(tmp_path):
     rec2 = find_recording(tmp_path, found[0].folder.name)
     assert rec2.meta["preset"] == "mika" and rec2.meta["engine"]["fps"] == 24.0
     assert rec2.trace()[0]["turn_id"] == 1 and "mika" in rec2.label
+    with open(rec.trace_path, "a") as f:  # a last line cut short by a crash or a full disk
+        f.write('{"session_id": "abc", "turn_id": 2, "sta')
+    assert [r["turn_id"] for r in rec2.trace()] == [1]
     with pytest.raises(ValueError, match="no recorded session named 'nope'"):
         find_recording(tmp_path, "nope")
+
+
+def test_a_reply_cut_short_is_in_the_transcript_and_its_recording(tmp_path):
+    from app.live import LiveSession, VoiceModels
+    from app.ui import _messages
+    from tests.test_voice_loop import LONG_REPLY, ScriptedAgent, question, wait_for
+    from voice.asr import WhisperASR
+    from voice.loop import feed_audio
+    from voice.tts import PiperTTS
+    from voice.vad import VADConfig
+
+    class Steps:
+        next_frame = 0
+
+    class Character:  # takes the speech; the session's video is not the point here
+        steps = Steps()
+        pushed = clears = 0
+
+        def push_audio(self, pcm, rate):
+            self.pushed += 1
+
+        def clear(self):
+            self.clears += 1
+
+        def stop(self, session_log=None):
+            return {}
+
+    character = Character()
+    live = LiveSession(character, None, "ada")
+    live.recorder = SessionRecorder(tmp_path, live.session_id, 24, (32, 32), {"preset": "ada"})
+    live.attach_voice(VoiceModels(WhisperASR(device="cpu"), PiperTTS(use_cuda=False),
+                                  ScriptedAgent(LONG_REPLY, ["Sure, I'm listening."]), VADConfig()))
+    feed_audio(live.voice, question("Tell me a long story."), real_time=False)
+    assert wait_for(lambda: character.pushed >= 1)
+    feed_audio(live.voice, question("Stop, please wait."), real_time=False)
+    assert wait_for(lambda: character.clears == 1) and live.voice.wait_idle(30)
+    live.stop(None)
+    [cut] = [line for line in live.transcript if line.interrupted]
+    assert cut.text.startswith(LONG_REPLY[0]) and LONG_REPLY[-1] not in cut.text  # what was spoken, not all it wrote
+    assert any(m["content"] == cut.text + " (interrupted)" for m in _messages(live.transcript))
+    rows = [json.loads(line) for line in (live.recorder.folder / "transcript.jsonl").read_text().splitlines()]
+    assert [r["role"] for r in rows] == ["user", "assistant", "user", "assistant"]
+    assert rows[1]["text"] == cut.text and rows[1]["interrupted"] is True
+    assert rows[3]["text"] == "Sure, I'm listening." and "interrupted" not in rows[3]
+
+
+def test_a_voice_loop_that_fails_to_close_does_not_keep_the_rest_open(tmp_path):
+    from app.live import LiveSession
+
+    stopped = []
+
+    class Character:
+        def stop(self, session_log=None):
+            stopped.append(True)
+            return {"fps": 24.0}
+
+    class Voice:
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    live = LiveSession(Character(), None, "ada")
+    live.recorder = SessionRecorder(tmp_path, live.session_id, 24, (32, 32), {"preset": "ada"})
+    live.voice = Voice()
+    assert live.stop(None) == {"fps": 24.0} and stopped and live.closed.is_set()
+    assert json.loads((live.recorder.folder / "session.json").read_text())["ended"] > 0  # the recording was closed
 
 
 # Failures are shown --------------------------------------------------------------------------------
@@ -160,6 +228,23 @@ def test_missing_voice_models_are_shown_and_the_engine_still_runs(tmp_path):
         while live.character.playout.stats.released < 10 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert live.character.playout.stats.released >= 10 and live.voice is None
+    finally:
+        controller.close()
+
+
+def test_a_recording_that_cannot_start_leaves_no_engine_running(tmp_path):
+    import threading
+
+    from app.controller import Controller
+
+    engines = lambda: sum(t.name == "talkloop-engine" and t.is_alive() for t in threading.enumerate())
+    (tmp_path / "rec").write_text("a file where the recordings folder should be")
+    controller = Controller(_config(tmp_path, asr_model=str(tmp_path / "no-such-model")))
+    try:
+        before = engines()
+        with pytest.raises(OSError, match="rec"):
+            controller.start("ada", record=True)
+        assert controller.live is None and engines() == before
     finally:
         controller.close()
 

@@ -166,6 +166,9 @@ def test_barge_in_stops_playback_and_the_loop_listens(models):
     assert said == first.info["user_text"]
     assert spoken == " ".join(LONG_REPLY[: len(story_pushes)])  # one push per sentence
     assert loop.conversation[-1] == (second.info["user_text"], "Sure, I'm listening.")
+    # The cut-short reply is reported with what of it was spoken, for the transcript and its recording.
+    assert text_of(events, "agent_interrupted") == [spoken]
+    assert text_of(events, "agent_done") == ["Sure, I'm listening."]
 
 
 def test_barge_in_can_be_turned_off(models):
@@ -243,6 +246,19 @@ def test_failing_agent_and_callback_do_not_stop_the_loop(models):
     assert first.info["status"] == "error" and "unreachable" in first.info["error"]
     assert second.info["status"] == "completed" and sink.pushes()
     assert any(e.kind == "error" for e in seen)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device every write to fails as a full disk)")
+def test_a_trace_file_that_cannot_be_written_costs_the_trace_not_the_conversation(models):
+    sink, events = FakeEngineSink(), []
+    loop = make_loop(models, sink, agent=ScriptedAgent(["My name is Joe."], ["By the sea."]), events=events,
+                     trace_path="/dev/full", barge_in=False)
+    for q in ("What is your name?", "Where do you live?"):
+        feed_audio(loop, question(q), real_time=False)
+        assert loop.wait_idle(30)
+    loop.close()  # does not raise
+    assert text_of(events, "agent_done") == ["My name is Joe.", "By the sea."]
+    assert "/dev/full" in loop.trace.error
 
 
 def test_close_is_clean_and_final(models):

@@ -65,3 +65,53 @@ def test_summary_median_and_p95():
     assert summarize(values) == {"n": 20, "median": 10.5, "p95": 19.0, "min": 1.0, "max": 20.0}
     assert summarize([0.7]) == {"n": 1, "median": 0.7, "p95": 0.7, "min": 0.7, "max": 0.7}
     assert summarize([]) == {"n": 0}
+
+
+def test_lines_that_are_not_turn_records_are_skipped_not_fatal(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    good = [{"session_id": "s", "turn_id": n, "stamps": {}} for n in (1, 2)]
+    path.write_text("\n".join([json.dumps(good[0]), "[1, 2]", '{"turn_id": 3}', json.dumps(good[1]),
+                               '{"session_id": "s", "turn_id": 4, "sta']))  # the last line cut short by a crash
+    assert sorted(r["turn_id"] for r in read_jsonl(path)) == [1, 2]
+
+
+class _CutShort:
+    """A file whose write stores half the text, then fails as a full disk does."""
+
+    def __init__(self, path):
+        self.f = open(path, "a", encoding="utf-8")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def write(self, text):
+        self.f.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_write_is_kept_as_an_error_and_the_next_record_stays_readable(tmp_path, monkeypatch):
+    import voice.trace
+
+    path = tmp_path / "trace.jsonl"
+    trace = SessionTrace(path, session_id="abc")
+    first, second, third = (trace.new_turn() for _ in range(3))
+    trace.write(first)
+    monkeypatch.setattr(voice.trace, "open", lambda p, *a, **k: _CutShort(p), raising=False)
+    trace.write(second)  # does not raise: a full disk costs the trace, not the turn
+    assert trace.error is not None and str(path) in trace.error and "No space left" in trace.error
+    monkeypatch.undo()
+    trace.write(third)
+    assert sorted(r["turn_id"] for r in read_jsonl(path)) == [1, 3]  # the cut line alone is lost
+
+
+def test_an_unwritable_trace_path_does_not_raise(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    trace = SessionTrace(tmp_path / "t.jsonl", session_id="abc")
+    trace.path = blocked / "t.jsonl"  # its folder is a file now (NotADirectoryError)
+    turn = trace.new_turn()
+    trace.write(turn)
+    assert turn.written and "t.jsonl" in trace.error

@@ -76,7 +76,8 @@ class RecordingSink:
 @dataclass(frozen=True)
 class LoopEvent:
     """kind: speech_start, user_partial, user_final, agent_text (a chunk),
-    agent_done (the full reply), barge_in, turn_ignored, error."""
+    agent_done (the full reply), agent_interrupted (a reply cut short: the sentences sent to be spoken),
+    barge_in, turn_ignored, error."""
 
     kind: str
     turn_id: int
@@ -474,6 +475,7 @@ class VoiceLoop:
                 turn.trace.info["status"] = "error"
                 turn.trace.info["error"] = str(err)
                 self._emit([LoopEvent("error", turn.turn_id, f"reply failed: {err}")])
+                self._emit_interrupted(turn)
             finally:
                 with self._lock:
                     self._speaking = None
@@ -509,8 +511,16 @@ class VoiceLoop:
                 close()  # e.g. drops the HTTP stream of an abandoned reply
         text = "".join(reply).strip()
         turn.trace.info["reply_text"] = text
-        if not turn.cancelled.is_set():
+        if turn.cancelled.is_set():
+            self._emit_interrupted(turn)
+        else:
             self._emit([LoopEvent("agent_done", turn.turn_id, text)])
+
+    def _emit_interrupted(self, turn: _Turn) -> None:
+        """A reply that ended early (a barge-in, a stop, a failure): what of it was sent to be spoken."""
+        with self._lock:
+            spoken = " ".join(turn.spoken)
+        self._emit([LoopEvent("agent_interrupted", turn.turn_id, spoken)])
 
     def _speak(self, turn: _Turn, sentence: str) -> bool:
         """Synthesize one sentence into the sink; False once the reply was cancelled."""

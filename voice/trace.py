@@ -6,13 +6,14 @@ with `SessionTrace.mark`. Durations are derived under the names Pipecat and
 LiveKit users know. Each finished turn is appended to a JSON-lines file and
 flushed at once, so a crash loses at most the turn in flight; a stamp arriving
 after a turn was written appends an updated record (the last line of a turn
-id wins).
+id wins). Writing is best-effort: a full disk costs the trace, not the turn.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -20,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Stamps in the order a turn normally passes them.
 STAMPS = (
@@ -95,6 +98,8 @@ class SessionTrace:
         self.turns: list[TurnTrace] = []
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self.error: str | None = None  # the first failed write, for the app to show
+        self._line_open = False  # a write failed part-way: the file may end inside a line
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -119,24 +124,44 @@ class SessionTrace:
         return value
 
     def write(self, turn: TurnTrace) -> None:
-        """Append the turn's record and flush it to disk."""
+        """Append the turn's record and flush it to disk. An I/O error (a full disk, a folder gone) is kept in
+        `error` and logged once, not raised: it runs where a turn's books are closed, which must go on."""
         turn.written = True
         if self.path is None:
             return
         line = json.dumps(turn.to_record(), sort_keys=False)
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-            f.flush()
+        with self._lock:
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    # after a write cut short, start on a line of its own so that this record stays readable
+                    f.write(("\n" if self._line_open else "") + line + "\n")
+                    f.flush()
+                self._line_open = False
+            except OSError as e:
+                self._line_open = True
+                if self.error is None:
+                    self.error = f"turn trace not written to {self.path}: {e}"
+                    log.error("%s", self.error)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Turn records of a trace file, the last line of each (session, turn) winning."""
+    """Turn records of a trace file, the last line of each (session, turn) winning. Lines that are not a turn
+    record (one cut short by a crash or a full disk) are skipped, and their count logged."""
     latest: dict[tuple[str, int], dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
+    skipped = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
-            if line.strip():
+            if not line.strip():
+                continue
+            try:
                 record = json.loads(line)
-                latest[(record["session_id"], record["turn_id"])] = record
+                key = (str(record["session_id"]), int(record["turn_id"]))
+            except (ValueError, KeyError, TypeError):
+                skipped += 1
+                continue
+            latest[key] = record
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are not turn records", path, skipped)
     return list(latest.values())
 
 
