@@ -982,7 +982,7 @@ def bench_pipeline(spec_name: str, placement, steps: int, in_flight: int = 2) ->
         for t in range(steps):
             engine.next_frames()
             engine.submit_step(feats, (t + in_flight) * spec.frames_per_latent)
-        timings = engine.timings[max(3, steps // 5):]  # steady state
+        timings = list(engine.timings)[max(3, steps // 5):]  # steady state
     delivered = [t["delivered"] for t in timings]
     period = statistics.median(1000 * (b - a) for a, b in zip(delivered, delivered[1:]))
     diffusion = statistics.median(t["step_ms"] for t in timings)

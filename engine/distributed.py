@@ -282,6 +282,8 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
 
 
 class DistributedEngine:
+    TIMINGS_KEPT = 4096  # steps of `timings` kept: 11 minutes of video at 6 steps a second
+
     def __init__(self, spec: ModelSpec, placement: Placement, *, weights: str | None = None, seed: int = 0,
                  session: dict | None = None, decoders: int | None = None, overlap: bool = False, gemm: str = "plain",
                  timeout: float = 300.0):
@@ -304,7 +306,9 @@ class DistributedEngine:
         self._procs = self._ranks + self._decoders
         self.submitted = 0
         self._ready: dict[int, dict] = {}
-        self.timings: list[dict] = []  # per step: step_ms (diffusion, rank 0), decode_ms, delivered (monotonic s)
+        # per step: step_ms (diffusion, rank 0), decode_ms, delivered (monotonic s); the latest TIMINGS_KEPT, so that
+        # a session of hours does not grow it without bound
+        self.timings: deque[dict] = deque(maxlen=self.TIMINGS_KEPT)
         self._next = 0
         self.closed = False
         self.uncollected_at_close: int | None = None  # steps decoded, never collected: known once close() has drained

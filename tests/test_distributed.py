@@ -207,7 +207,7 @@ def test_placement_defaults_and_errors():
         Placement.plan("zero", None, visible=4, n_heads=60)
 
 
-def test_realtime_character_runs_unchanged_on_the_distributed_engine():
+def test_realtime_character_runs_unchanged_on_the_distributed_engine(monkeypatch):
     from engine.audio import SAMPLE_RATE, frame_sample
     from engine.realtime import RealtimeCharacter, RemoteSteps
 
@@ -217,6 +217,7 @@ def test_realtime_character_runs_unchanged_on_the_distributed_engine():
     local.steps.session.start(reference_latent(SPEC6))
     local.push_audio(speech, SAMPLE_RATE)
     want = [f for _ in range(5) for f in local.make_step()]
+    monkeypatch.setattr(DistributedEngine, "TIMINGS_KEPT", 3, raising=False)
     with DistributedEngine(SPEC6, Placement(cpu_ranks=2), timeout=120) as engine:
         steps = RemoteSteps(engine)
         steps.start(reference_latent(SPEC6))
@@ -225,6 +226,8 @@ def test_realtime_character_runs_unchanged_on_the_distributed_engine():
         got = []
         while len(got) < len(want):
             got += remote.make_step()  # the first call returns nothing: one step in flight
+        delivered = [t["delivered"] for t in engine.timings]
+    assert len(delivered) == 3 and delivered == sorted(delivered)  # a long session keeps only the latest steps' timings
     assert [f.index for f in got] == list(range(20))
     assert [f.speaking for f in got] == [f.speaking for f in want]
     played = np.concatenate([f.pcm for f in got])
