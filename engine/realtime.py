@@ -34,6 +34,11 @@ from engine.session import EngineSession
 _SPEECH_RMS = 1e-4  # below this a frame's audio counts as silence
 
 
+def _silenced(frame: "AVFrame") -> "AVFrame":
+    """The frame with its audio zeroed, as a barge-in leaves a frame already made."""
+    return replace(frame, pcm=np.zeros_like(frame.pcm), speaking=False)
+
+
 @dataclass(frozen=True)
 class AVFrame:
     index: int  # video frame number in the session
@@ -187,6 +192,7 @@ class RealtimeCharacter:
         self.on_step: Callable[[int, float], None] | None = None
         self.error: BaseException | None = None
         self._lock = threading.Lock()
+        self._clears = 0  # barge-ins so far: a step taken off _pending before the latest one is silenced on its way in
         self._unsubmitted = 0  # first frame of the next step not yet submitted (a step may be in flight)
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
@@ -223,14 +229,19 @@ class RealtimeCharacter:
     def clear(self) -> None:
         """Barge-in: speech not yet made is dropped, frames already waiting go silent."""
         with self._lock:
+            self._clears += 1
             self.timeline.clear_from(max(self.steps.next_frame, self._unsubmitted))
             self._pending = deque((first, [np.zeros_like(p) for p in pcms]) for first, pcms in self._pending)
-        self.playout.map_waiting(lambda f: replace(f, pcm=np.zeros_like(f.pcm), speaking=False))
+        self.playout.map_waiting(_silenced)
 
     # Engine loop -------------------------------------------------------------------
     def make_step(self) -> list[AVFrame]:
         """Submit one engine step; return the 4 frames (with their audio) of the step now due,
         or none while the first `lookahead` steps are in flight. Also usable without the loop thread."""
+        return self._make_step()[0]
+
+    def _make_step(self) -> tuple[list[AVFrame], int]:
+        """make_step's frames, and the count of barge-ins when their step left _pending."""
         spec = self.spec
         t0 = time.perf_counter()  # the audio features count as part of the step
         with self._lock:
@@ -244,26 +255,36 @@ class RealtimeCharacter:
             self.before_step(first // spec.frames_per_latent)
         self.steps.submit(features, window_start)
         if len(self._pending) <= self.lookahead:
-            return []
+            return [], self._clears
         rgb = self.steps.collect()
         seconds = time.perf_counter() - t0
         self.step_seconds.append(seconds)
         with self._lock:
             first, pcms = self._pending.popleft()
+            clears = self._clears
         if self.on_step is not None:
             self.on_step(first // spec.frames_per_latent, seconds)
         return [
             AVFrame(first + i, rgb[i], pcm, bool(np.sqrt(np.mean(pcm**2)) > _SPEECH_RMS))
             for i, pcm in enumerate(pcms)
-        ]
+        ], clears
+
+    def _put(self, frames: list[AVFrame], clears: int) -> None:
+        """Into the playout buffer; silenced if a barge-in came after their step left _pending (so that neither
+        clear()'s pass over _pending nor its pass over the buffer saw them). Under the lock, so that a barge-in
+        either comes before (and is seen here) or after (and its pass over the buffer sees them)."""
+        with self._lock:
+            if clears != self._clears:
+                frames = [_silenced(f) for f in frames]
+            self.playout.put(frames)
 
     def _loop(self) -> None:
         try:
             while self._running.is_set():
                 if not self.playout.wait_for_room(timeout=0.5):
                     continue
-                frames = self.make_step()
-                self.playout.put(frames)
+                frames, clears = self._make_step()
+                self._put(frames, clears)
                 if self.adaptive_lead and frames:
                     self._adapt_lead()
         except BaseException as e:  # surfaced to the consumer by frames()

@@ -59,6 +59,37 @@ def test_barge_in_silences_waiting_frames_and_drops_unmade_speech(model):
     assert not any(f.speaking for f in character.make_step())
 
 
+def test_barge_in_silences_a_step_on_its_way_into_the_buffer(model):
+    """A barge-in after a step left the submitted queue and before the loop put its frames in the buffer (held
+    there by the on_step hook) finds them in neither place; they are silenced on the way in all the same."""
+    import threading
+
+    character = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=16))
+    in_transit, cleared = threading.Event(), threading.Event()
+
+    def hold_first_step(step: int, seconds: float) -> None:
+        if step == 0:
+            in_transit.set()
+            cleared.wait(10)
+
+    character.on_step = hold_first_step
+    character.push_audio(speech(2.0), SAMPLE_RATE)
+    character.start()
+    try:
+        assert in_transit.wait(30)
+        character.clear()
+        cleared.set()
+        frames = []
+        for frame in character.frames(timeout=10):
+            frames.append(frame)
+            if len(frames) == 8:
+                break
+    finally:
+        character.stop()
+    assert [f.index for f in frames] == list(range(8))
+    assert not any(f.speaking or f.pcm.any() for f in frames)
+
+
 def test_loop_thread_streams_frames_in_order_and_stops(model):
     character = make_character(model)
     character.start()
@@ -110,8 +141,13 @@ def test_session_log_reports_the_share_of_slow_sessions(tmp_path, model):
         f.write("{broken\n")
     summary = summarize(log)
     assert summary["sessions"] == 3 and summary["counted"] == 2 and summary["unreadable_lines"] == 1
-    expected = (stats["fps"] <= 24) + 1
-    assert summary["share_at_or_below_24_fps"] == pytest.approx(expected / 2)
+    behind = stats["fps"] < 24 * (1 - 1e-3)
+    assert summary["share_below_24_fps"] == pytest.approx((behind + 1) / 2)
+    # Sessions without an underrun average 24 fps give or take the clock's rounding: on time, either side.
+    on_time = tmp_path / "on_time.jsonl"
+    for fps in (24.000000001, 23.999999997, 23.9, 23.1):
+        record_session({"seconds": 60.0, "fps": fps}, on_time)
+    assert summarize(on_time)["share_below_24_fps"] == 0.5
     with pytest.raises(ValueError, match="not found"):
         summarize(tmp_path / "missing.jsonl")
 
