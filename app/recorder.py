@@ -32,7 +32,10 @@ class SessionRecorder:
         self.error: str | None = None
 
     def _write_meta(self) -> None:
-        (self.folder / META).write_text(json.dumps(self.meta, indent=2) + "\n")
+        # whole or not at all: a crash while it is rewritten at close keeps the one written at the start
+        tmp = self.folder / (META + ".tmp")
+        tmp.write_text(json.dumps(self.meta, indent=2) + "\n")
+        tmp.replace(self.folder / META)
 
     def write_frame(self, rgb, pcm) -> None:
         if self.video is None:
@@ -73,7 +76,10 @@ class Recording:
     @property
     def label(self) -> str:
         preset = self.meta.get("preset", "?")
-        seconds = (self.meta.get("ended") or 0) - (self.meta.get("started") or 0)
+        try:
+            seconds = float(self.meta.get("ended") or 0) - float(self.meta.get("started") or 0)
+        except (TypeError, ValueError):  # a session.json edited or damaged by hand
+            seconds = 0.0
         length = f"{seconds:.0f} s" if seconds > 0 else "unfinished"
         return f"{self.folder.name} ({preset}, {length})"
 
@@ -113,7 +119,7 @@ def list_recordings(root: str | Path) -> list[Recording]:
             meta = json.loads((folder / META).read_text())
         except (OSError, ValueError):
             meta = {}
-        out.append(Recording(folder, meta))
+        out.append(Recording(folder, meta if isinstance(meta, dict) else {}))
     return out
 
 

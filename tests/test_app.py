@@ -144,6 +144,11 @@ def test_recording_survives_and_lists(tmp_path):
     assert [r["turn_id"] for r in rec2.trace()] == [1]
     with pytest.raises(ValueError, match="no recorded session named 'nope'"):
         find_recording(tmp_path, "nope")
+    assert not list(rec2.folder.glob("*.tmp"))  # session.json is replaced whole, not rewritten in place
+    for damaged in ('["not", "an", "object"]', '{"preset": "sol", "started": "noon", "ended": 5}'):
+        (rec2.folder / "session.json").write_text(damaged)  # the list still shows it, without its length
+        [again] = list_recordings(tmp_path)
+        assert again.label.endswith(", unfinished)")
 
 
 def test_a_reply_cut_short_is_in_the_transcript_and_its_recording(tmp_path):
