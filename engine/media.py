@@ -54,7 +54,8 @@ class Mp4Writer:
         options = {"flush_packets": "1"}
         if container_format is None:
             options["movflags"] = "frag_keyframe+empty_moov+default_base_moof"
-        self.container = av.open(str(self.path), "w", format=container_format, options=options)
+        # MP4 unless told otherwise, whatever the file's name ends with
+        self.container = av.open(str(self.path), "w", format=container_format or "mp4", options=options)
         h, w = size
         self.video = self.container.add_stream("libx264", rate=fps)
         self.video.width, self.video.height, self.video.pix_fmt = w, h, "yuv420p"

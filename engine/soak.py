@@ -174,14 +174,14 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
 
     step_times: list[float] = []
     step_faults = StepFaults([])
-    live = LiveCharacter(opener, spec.fps, step_faults, step_times)
-    live.start()
     fps, period = spec.fps, 1.0 / spec.fps
     writer = None
     if record:  # PyAV only when recording: a soak without --record runs where it is not installed
         from engine.media import Mp4Writer
 
-        writer = Mp4Writer(record, fps, spec.image_size)
+        writer = Mp4Writer(record, fps, spec.image_size)  # before the character starts: a bad path stops nothing running
+    live = LiveCharacter(opener, spec.fps, step_faults, step_times)
+    live.start()
     t0 = time.monotonic()
     step_faults.clock_zero = t0
     trace = Trace(trace_path, t0)
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                       record=args.record, trace_path=args.trace, faults=faults, seed=args.seed, weights=args.weights,
                       look=args.preset, source=args.audio_source, restarts=args.restarts,
                       progress=lambda row: print(json.dumps(row), file=sys.stderr, flush=True))
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:  # OSError: e.g. a recording file that cannot be made
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.samples:

@@ -43,6 +43,20 @@ def test_short_soak_reports_and_records_everything(tmp_path):
     assert sum(e["event"] == "second" for e in events) == len(r["samples"])
 
 
+def test_a_recording_named_without_mp4_is_an_mp4_all_the_same(tmp_path):
+    import numpy as np
+
+    from engine.audio import SAMPLE_RATE
+    from engine.media import Mp4Writer
+
+    path = tmp_path / "clip"  # no extension to tell the container by
+    writer = Mp4Writer(path, 24, (32, 32))
+    for i in range(30):
+        writer.write(np.full((32, 32, 3), 8 * i, np.uint8), np.zeros(SAMPLE_RATE // 24, np.float32))
+    writer.close()
+    assert mp4_frames(path) == 30
+
+
 def test_slope_is_per_minute_and_ignores_missing():
     t = [0.0, 30.0, 60.0, 90.0]
     assert slope_per_minute(t, [100.0, 101.0, 102.0, 103.0]) == pytest.approx(2.0)
