@@ -181,7 +181,12 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
 
         writer = Mp4Writer(record, fps, spec.image_size)  # before the character starts: a bad path stops nothing running
     live = LiveCharacter(opener, spec.fps, step_faults, step_times)
-    live.start()
+    try:
+        live.start()
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
     t0 = time.monotonic()
     step_faults.clock_zero = t0
     trace = Trace(trace_path, t0)
