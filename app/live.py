@@ -176,12 +176,12 @@ class LiveSession:
                 line.text, line.final = event.text, True
                 if self.recorder is not None:
                     self.recorder.add_line("assistant", event.turn_id, event.text)
-            elif event.kind == "agent_interrupted":
+            elif event.kind == "agent_interrupted":  # may follow the turn's agent_done: its line is cut back
                 line = self._line(event.turn_id, "assistant")
                 line.text, line.final, line.interrupted = event.text, True, True
-                if not event.text:  # nothing of it was spoken
+                if not event.text:  # none of it was heard
                     self.transcript.remove(line)
-                elif self.recorder is not None:
+                if self.recorder is not None:  # the last line of a turn's reply wins on replay
                     self.recorder.add_line("assistant", event.turn_id, event.text, interrupted=True)
             elif event.kind == "error":
                 self.transcript.append(TranscriptLine(event.turn_id, "error", event.text, True))

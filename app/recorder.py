@@ -94,16 +94,25 @@ class Recording:
         return sorted(read_jsonl(path), key=lambda r: int(r["turn_id"])) if path.is_file() else []
 
     def transcript(self) -> list[dict[str, Any]]:
+        """The transcript's lines in order; where a turn's reply was written again (cut back after a barge-in),
+        the last line of it, in the place of the first."""
         path = self.folder / TRANSCRIPT
         if not path.is_file():
             return []
-        lines = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        lines: dict[tuple, dict[str, Any]] = {}
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
             try:
-                lines.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
                 continue  # a line cut short by a crash
-        return lines
+            if not isinstance(row, dict):
+                continue
+            key = (row.get("turn_id"), row.get("role")) if row.get("role") == "assistant" else (n,)
+            if key in lines:
+                lines[key].update(row)
+            else:
+                lines[key] = row
+        return list(lines.values())
 
 
 def list_recordings(root: str | Path) -> list[Recording]:

@@ -118,7 +118,7 @@ def build_ui(controller: Controller) -> gr.Blocks:
         rec = find_recording(config.recordings_dir, name)
         lines = [{"role": "assistant" if row.get("role") == "assistant" else "user",
                   "content": str(row.get("text", "")) + (INTERRUPTED if row.get("interrupted") else "")}
-                 for row in rec.transcript() if isinstance(row, dict)]
+                 for row in rec.transcript() if row.get("text")]
         return str(rec.video), render_panel(rec.trace()), lines
 
     # System fonts: the default theme would fetch web fonts, and the app reaches no one outside.

@@ -145,6 +145,10 @@ def test_recording_survives_and_lists(tmp_path):
     with pytest.raises(ValueError, match="no recorded session named 'nope'"):
         find_recording(tmp_path, "nope")
     assert not list(rec2.folder.glob("*.tmp"))  # session.json is replaced whole, not rewritten in place
+    rec.add_line("assistant", 1, "hel", interrupted=True)  # cut back after a barge-in: the last line of a reply wins
+    rec.add_line("user", 2, "hi there")
+    assert [(r["role"], r["text"], r.get("interrupted")) for r in rec2.transcript()] == [
+        ("user", "hi there", None), ("assistant", "hel", True), ("user", "hi there", None)]
     for damaged in ('["not", "an", "object"]', '{"preset": "sol", "started": "noon", "ended": 5}'):
         (rec2.folder / "session.json").write_text(damaged)  # the list still shows it, without its length
         [again] = list_recordings(tmp_path)

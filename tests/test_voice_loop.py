@@ -171,6 +171,30 @@ def test_barge_in_stops_playback_and_the_loop_listens(models):
     assert text_of(events, "agent_done") == ["Sure, I'm listening."]
 
 
+def test_barge_in_while_a_finished_reply_plays_cuts_it_back_to_what_was_heard(models, tmp_path):
+    """Synthesis runs ahead of playback: a reply can be whole in the sink, its books closed, and still playing when
+    the user cuts in. Its record is rewritten as interrupted and the agent remembers only what was heard."""
+    story = ["Once upon a time, in a small village by the cold grey sea, there stood a tall white lighthouse.",
+             "It stood on a rock for a hundred years.", "Every night its keeper climbed the stairs."]
+    sink, events = FakeEngineSink(), []
+    agent = ScriptedAgent(story, ["Sure."])
+    path = tmp_path / "trace.jsonl"
+    with make_loop(models, sink, agent=agent, events=events, trace_path=str(path)) as loop:
+        clock = feed_audio(loop, question("Tell me a story.", after_s=0.6))
+        while not (loop.trace.turns and loop.trace.turns[0].written):  # the microphone stays open meanwhile
+            clock = feed_audio(loop, np.zeros(512, np.float32), clock=clock)
+        assert loop.is_speaking  # the reply is all in the sink and still playing
+        clock = feed_audio(loop, np.zeros(SAMPLE_RATE // 2, np.float32), clock=clock)
+        feed_audio(loop, question("Stop, please wait."), clock=clock)
+        assert loop.wait_idle(30)
+    assert len(sink.clears()) == 1
+    assert text_of(events, "agent_done") == [" ".join(story), "Sure."]
+    assert text_of(events, "agent_interrupted") == [story[0]]  # after its agent_done: the line is cut back
+    first = [r for r in read_jsonl(path) if r["turn_id"] == 1][0]  # the record's last line
+    assert first["status"] == "interrupted" and "barge_in" in first["stamps"]
+    assert [spoken for _, spoken in agent.histories[1]] == [story[0]]
+
+
 def test_barge_in_can_be_turned_off(models):
     sink = FakeEngineSink()
     agent = ScriptedAgent(LONG_REPLY[:3], ["Okay."])

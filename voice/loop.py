@@ -76,7 +76,8 @@ class RecordingSink:
 @dataclass(frozen=True)
 class LoopEvent:
     """kind: speech_start, user_partial, user_final, agent_text (a chunk),
-    agent_done (the full reply), agent_interrupted (a reply cut short: the sentences sent to be spoken),
+    agent_done (the full reply), agent_interrupted (a reply cut short: what of it was heard, after its agent_done if it was all
+    synthesized already),
     barge_in, turn_ignored, error."""
 
     kind: str
@@ -143,7 +144,16 @@ class _Turn:
     cancelled: threading.Event = field(default_factory=threading.Event)
     audio_pushed: bool = False
     spoken: list[str] = field(default_factory=list)  # reply sentences whose audio reached the sink
+    spoken_at: list[float] = field(default_factory=list)  # when each of them starts to play (the loop's estimate)
+    barge_in_t: float | None = None  # when the user cut the reply short
     finished: bool = False
+
+    def heard(self) -> str:
+        """The reply as far as the user heard it: every sentence sent to be spoken, or with a barge-in, those that
+        had started playing by then (synthesis runs ahead of playback, so a reply can be whole in the sink and
+        cut short at the ear)."""
+        cut = self.barge_in_t
+        return " ".join(s for s, at in zip(self.spoken, self.spoken_at) if cut is None or at < cut)
 
     @property
     def turn_id(self) -> int:
@@ -314,8 +324,12 @@ class VoiceLoop:
             self._playout_until = t
             interrupted = speaking or self._last_spoken
             if interrupted is not None:
-                interrupted.trace.mark("barge_in", t)
+                interrupted.barge_in_t = t
                 events.append(LoopEvent("barge_in", interrupted.turn_id))
+                if interrupted.finished:  # its reply was all in the sink, still playing: its books are closed already
+                    self._cut_short_after_the_fact(interrupted, t, events)
+                else:  # the reply worker closes its books
+                    interrupted.trace.mark("barge_in", t)
         turn = _Turn(trace=self.trace.new_turn(), start=start, last_voiced_t=t)
         turn.trace.mark("speech_start", t)
         if previous is not None and start == previous.start:
@@ -334,6 +348,18 @@ class VoiceLoop:
         turn.trace.info.update(end_reason=reason, audio_s=round((end - turn.start) / SAMPLE_RATE, 3))
         self._busy += 1
 
+    def _cut_short_after_the_fact(self, turn: _Turn, t: float, events: list[LoopEvent]) -> None:
+        """A barge-in on a reply already written (lock held): its record is rewritten as interrupted, what the agent
+        remembers of it is cut to what was heard, and the cut-short reply is reported."""
+        said = " ".join(turn.spoken)
+        for i in range(len(self.conversation) - 1, -1, -1):
+            if self.conversation[i] == (turn.final_text, said):
+                self.conversation[i] = (turn.final_text, turn.heard())
+                break
+        turn.trace.info["status"] = "interrupted"
+        self.trace.mark(turn.turn_id, "barge_in", t)  # appends the updated record
+        events.append(LoopEvent("agent_interrupted", turn.turn_id, turn.heard()))
+
     def _cancel(self, turn: _Turn, status: str) -> None:
         turn.cancelled.set()
         turn.trace.info.setdefault("status", status)
@@ -348,7 +374,7 @@ class VoiceLoop:
         turn.finished = True
         turn.trace.info.setdefault("status", "completed")
         if turn.spoken and turn.final_text:
-            self.conversation.append((turn.final_text, " ".join(turn.spoken)))
+            self.conversation.append((turn.final_text, turn.heard()))
             del self.conversation[:-MAX_CONVERSATION]
         self.trace.write(turn.trace)
         if turn.ended:
@@ -517,10 +543,10 @@ class VoiceLoop:
             self._emit([LoopEvent("agent_done", turn.turn_id, text)])
 
     def _emit_interrupted(self, turn: _Turn) -> None:
-        """A reply that ended early (a barge-in, a stop, a failure): what of it was sent to be spoken."""
+        """A reply that ended early (a barge-in, a stop, a failure): what of it was heard."""
         with self._lock:
-            spoken = " ".join(turn.spoken)
-        self._emit([LoopEvent("agent_interrupted", turn.turn_id, spoken)])
+            heard = turn.heard()
+        self._emit([LoopEvent("agent_interrupted", turn.turn_id, heard)])
 
     def _speak(self, turn: _Turn, sentence: str) -> bool:
         """Synthesize one sentence into the sink; False once the reply was cancelled."""
@@ -539,10 +565,12 @@ class VoiceLoop:
                 self.sink.push_audio(pcm, rate)
                 turn.trace.mark("tts_first_audio", t)
                 turn.audio_pushed = True
-                self._playout_until = max(self._playout_until, t) + pcm.shape[0] / rate
+                plays_from = max(self._playout_until, t)
+                self._playout_until = plays_from + pcm.shape[0] / rate
                 turn.trace.info["reply_audio_s"] = round(turn.trace.info.get("reply_audio_s", 0.0) + pcm.shape[0] / rate, 3)
                 if not recorded:
                     turn.spoken.append(sentence)
+                    turn.spoken_at.append(plays_from)
                     recorded = True
         return not turn.cancelled.is_set()
 
