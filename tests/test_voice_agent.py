@@ -6,7 +6,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from voice.agent import OpenAIChatAgent, PersonaAgent, ReplyAgent, extract_topic
+from voice.agent import OpenAIChatAgent, PersonaAgent, ReplyAgent, extract_topic, without_thinking
 
 FIXED_NOW = dt.datetime(2024, 5, 6, 15, 5)  # a Monday afternoon
 
@@ -127,6 +127,13 @@ def test_client_streams_deltas_and_sends_a_proper_request(server):
     assert request["model"] == "tiny-llm" and request["stream"] is True
     assert request["messages"] == [{"role": "system", "content": "You are Ada, be brief."}, {"role": "user", "content": "Hi!"}]
     assert server.headers[0]["Authorization"] == "Bearer sk-test"
+
+
+def test_a_reasoning_models_thinking_is_not_said(server):
+    server.deltas = ["<thi", "nk>The user greets me", ", so I greet back.</th", "ink>Hello", " there!"]
+    assert "".join(OpenAIChatAgent(base_url=server.url, api_key="").stream_reply("Hi!")) == "Hello there!"
+    assert "".join(without_thinking(["A <b>bold</b> ", "<thinking> word"])) == "A <b>bold</b> <thinking> word"
+    assert "".join(without_thinking(["Sure.<think>unfinished"])) == "Sure."
 
 
 def test_client_sends_the_conversation_it_is_given(server):

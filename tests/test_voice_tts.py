@@ -64,3 +64,24 @@ def test_splitter_keeps_numbers_and_cuts_long_clauses():
 
 def test_markup_is_not_read_aloud():
     assert clean_for_speech("**Hello** see https://example.com/x `code`") == "Hello see code"
+
+
+def test_text_with_no_punctuation_is_cut_after_max_words():
+    words = [f"w{i}" for i in range(60)]
+    text = " ".join(words)
+    chunks = [text[i:i + 7] for i in range(0, len(text), 7)]  # streamed, words split across chunks
+    assert list(split_sentences(chunks)) == [" ".join(words[:25]), " ".join(words[25:50]), " ".join(words[50:])]
+    assert list(split_sentences(["Hello there. How are", " you today? Fine"])) == ["Hello there.", "How are you today?", "Fine"]
+
+
+@pytest.mark.parametrize("text, said", [
+    ("Great job! \U0001f389\U0001f389", "Great job!"),  # Piper read these as "party popper"
+    ("I love it \u2764\ufe0f so much \U0001f44d\U0001f3fd", "I love it so much"),
+    ("Flags \U0001f1fa\U0001f1f8 here", "Flags here"),
+    ("<b>Hello</b> there.<br/>", "Hello there."),
+    ("Tom &amp; Jerry", "Tom & Jerry"),
+    ("See [the docs](https://example.com/docs).", "See the docs."),
+    ("It costs $5, 3 + 4 = 7.", "It costs $5, 3 + 4 = 7."),
+])
+def test_emoji_tags_and_entities_are_not_read_aloud(text, said):
+    assert clean_for_speech(text) == said

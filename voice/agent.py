@@ -19,7 +19,7 @@ import random
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 DEFAULT_NAME = "Joe"
@@ -198,11 +198,42 @@ class OpenAIChatAgent:
         except (urllib.error.URLError, OSError) as err:
             raise ConnectionError(f"chat endpoint {self.url} unreachable: {err}") from err
         try:
-            yield from _sse_contents(response)
+            yield from without_thinking(_sse_contents(response))
         finally:
             # Also runs when the caller abandons the reply (barge-in): the server sees
             # the connection close and can stop generating.
             response.close()
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def without_thinking(chunks: Iterable[str]) -> Iterator[str]:
+    """A text stream with reasoning models' <think>...</think> blocks left out (they are not for saying), the
+    tags found across chunk boundaries too."""
+    buffer, inside = "", False
+    for chunk in chunks:
+        buffer += chunk
+        out = []
+        while True:
+            tag = THINK_CLOSE if inside else THINK_OPEN
+            at = buffer.find(tag)
+            if at >= 0:
+                if not inside:
+                    out.append(buffer[:at])
+                buffer, inside = buffer[at + len(tag):], not inside
+                continue
+            # keep back what may be the start of a tag split across chunks
+            keep = next((n for n in range(min(len(tag) - 1, len(buffer)), 0, -1) if tag.startswith(buffer[-n:])), 0)
+            if not inside:
+                out.append(buffer[: len(buffer) - keep])
+            buffer = buffer[len(buffer) - keep:]
+            break
+        text = "".join(out)
+        if text:
+            yield text
+    if buffer and not inside:
+        yield buffer
 
 
 def _sse_contents(lines: Iterator[bytes]) -> Iterator[str]:

@@ -8,7 +8,9 @@ the reply exists. Piper outputs 22.05 kHz for this voice; callers resample.
 from __future__ import annotations
 
 import functools
+import html
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -19,10 +21,18 @@ _SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*\s+|\n+")
 # A long clause may be cut at a comma so the first audio of a long sentence is not late.
 _CLAUSE_END = re.compile(r"[,;:]\s+")
 _MARKUP = re.compile(r"[*_`#~<>|\[\]]+|https?://\S+")
+_MD_LINK = re.compile(r"\[([^\]\n]*)\]\([^)\s]*\)")  # [text](url): the text is said
+_TAG = re.compile(r"</?[A-Za-z][^<>\n]{0,80}>")  # an HTML-like tag: <b>, </i>, <br/>, <span class="x">
+# Joiners, variation selectors and skin-tone modifiers that hold emoji sequences together
+_EMOJI_PARTS = re.compile("[\u200d\ufe0e\ufe0f\U0001f3fb-\U0001f3ff]")
+_WORD_GAP = re.compile(r"\s+")
 
 
 def clean_for_speech(text: str) -> str:
-    """Drop markdown and links that would be read out literally."""
+    """Drop what would be read out literally: markdown, links, HTML tags and entities, emoji and other pictographs
+    (Piper says "grinning face" for one)."""
+    text = _TAG.sub(" ", _MD_LINK.sub(r"\1", html.unescape(text)))
+    text = "".join(" " if unicodedata.category(c) == "So" else c for c in _EMOJI_PARTS.sub("", text))
     return " ".join(_MARKUP.sub(" ", text).split())
 
 
@@ -30,11 +40,15 @@ class SentenceSplitter:
     """Accumulate streamed text and hand out complete sentences.
 
     A clause ending in a comma is released early only when it already holds at
-    least `clause_min_words` words, so short sentences keep their prosody.
+    least `clause_min_words` words, so short sentences keep their prosody. Text with
+    no punctuation at all is cut after `max_words` words, so that its first audio is
+    not late (Piper takes seconds over a sentence of hundreds of words, and a reply
+    cut short goes on synthesizing it).
     """
 
-    def __init__(self, clause_min_words: int = 12) -> None:
+    def __init__(self, clause_min_words: int = 12, max_words: int = 25) -> None:
         self.clause_min_words = clause_min_words
+        self.max_words = max_words
         self._buffer = ""
 
     def push(self, chunk: str) -> list[str]:
@@ -42,21 +56,27 @@ class SentenceSplitter:
         out: list[str] = []
         while True:
             match = _SENTENCE_END.search(self._buffer)
-            if match is None:
-                match = self._long_clause()
-            if match is None:
+            end = match.end() if match is not None else self._long_clause()
+            if end is None:
+                end = self._long_run()
+            if end is None:
                 break
-            sentence = self._buffer[: match.end()].strip()
-            self._buffer = self._buffer[match.end() :]
+            sentence = self._buffer[:end].strip()
+            self._buffer = self._buffer[end:]
             if sentence:
                 out.append(sentence)
         return out
 
-    def _long_clause(self) -> re.Match[str] | None:
+    def _long_clause(self) -> int | None:
         for match in _CLAUSE_END.finditer(self._buffer):
             if len(self._buffer[: match.start()].split()) >= self.clause_min_words:
-                return match
+                return match.end()
         return None
+
+    def _long_run(self) -> int | None:
+        """End of the first `max_words` words, when more follow (the last word of the buffer may be incomplete)."""
+        gaps = [m for m in _WORD_GAP.finditer(self._buffer) if m.start() > 0]
+        return gaps[self.max_words - 1].end() if len(gaps) > self.max_words else None
 
     def flush(self) -> list[str]:
         rest, self._buffer = self._buffer.strip(), ""
