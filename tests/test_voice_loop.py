@@ -195,6 +195,23 @@ def test_barge_in_while_a_finished_reply_plays_cuts_it_back_to_what_was_heard(mo
     assert [spoken for _, spoken in agent.histories[1]] == [story[0]]
 
 
+def test_a_monologue_is_answered_in_bounded_turns_none_lost(models):
+    """70 s of talk with only short pauses: each pause ends a turn and the next start joins it on, but not past
+    half of max_speech_s, so every turn's audio stays in the history; each turn is answered, in order."""
+    sentence = sample_speech("I went to the market this morning and bought apples, bread, some cheese and a bottle of milk.")
+    gap = np.zeros(SAMPLE_RATE // 10, np.float32)
+    speech = with_silence(np.concatenate([sentence, gap] * int(70 * SAMPLE_RATE // (sentence.size + gap.size) + 1)), 0.4, 1.5)
+    sink, events = FakeEngineSink(), []
+    with make_loop(models, sink, agent=ScriptedAgent(), events=events, barge_in=False) as loop:
+        feed_audio(loop, speech, real_time=False)
+        assert loop.wait_idle(30)
+        turns = [t for t in loop.trace.turns if t.info.get("status") != "continued"]
+    assert len(turns) >= 3 and all(t.info.get("status") == "completed" for t in turns)
+    assert all(t.info["audio_s"] <= loop.config.vad.max_speech_s * 1.5 for t in turns)
+    answered = [e.turn_id for e in events if e.kind == "agent_done"]
+    assert answered == [t.turn_id for t in turns]
+
+
 def test_barge_in_can_be_turned_off(models):
     sink = FakeEngineSink()
     agent = ScriptedAgent(LONG_REPLY[:3], ["Okay."])

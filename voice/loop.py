@@ -192,6 +192,8 @@ class VoiceLoop:
         self._asr_wake = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
         self._turn: _Turn | None = None  # the turn being listened to / transcribed
+        # ended turns still waiting for their final transcript while a newer one is listened to, oldest first
+        self._settling: list[_Turn] = []
         self._speaking: _Turn | None = None  # the turn whose reply is being produced
         self._last_spoken: _Turn | None = None  # the last turn that pushed audio (may still be playing)
         # What was said so far, as the agent should remember it: a reply cut off by
@@ -284,6 +286,8 @@ class VoiceLoop:
             self._closed = True
             if self._speaking is not None:
                 self._speaking.cancelled.set()  # the reply worker writes its trace
+            for waiting in self._settling:  # ended, their transcripts never to come now
+                self._cancel(waiting, "closed")
             if self._turn is not None:
                 if self._turn.ended:
                     self._cancel(self._turn, "closed")
@@ -307,17 +311,24 @@ class VoiceLoop:
     def _on_speech_start(self, start: int, t: float, events: list[LoopEvent]) -> None:
         previous = self._turn
         speaking = self._speaking
-        if (
+        merged = (
             previous is not None
             and previous.ended
             and not previous.finished
             and not previous.audio_pushed
             and previous.start >= self._history.first
-        ):
-            # The user went on talking before any reply audio left: one turn, not two.
+            and previous.trace.info.get("end_reason") != "max_speech_s"
+            and start - previous.start <= self.config.vad.max_speech_s * SAMPLE_RATE / 2
+        )
+        if merged:
+            # The user went on talking before any reply audio left: one turn, not two. Not past a cut at max_speech_s,
+            # nor onto a turn already half that long: a monologue is answered in bounded turns, each one's audio
+            # still in the history (which holds max_speech_s + 15 s).
             self._cancel(previous, "continued")
             start = previous.start
-        elif self.config.barge_in and (speaking is not None or t < self._playout_until):
+        elif previous is not None and previous.ended and previous.final_text is None and not previous.cancelled.is_set():
+            self._settling.append(previous)  # its final transcript, and its reply, are still to come
+        if not merged and self.config.barge_in and (speaking is not None or t < self._playout_until):
             if speaking is not None:
                 self._cancel(speaking, "interrupted")
             self.sink.clear()
@@ -332,7 +343,7 @@ class VoiceLoop:
                     interrupted.trace.mark("barge_in", t)
         turn = _Turn(trace=self.trace.new_turn(), start=start, last_voiced_t=t)
         turn.trace.mark("speech_start", t)
-        if previous is not None and start == previous.start:
+        if merged:
             turn.trace.info["continues_turn"] = previous.turn_id
         self._turn = turn
         events.append(LoopEvent("speech_start", turn.turn_id))
@@ -432,13 +443,13 @@ class VoiceLoop:
 
     def _next_asr_job(self) -> tuple[tuple[_Turn, int, str] | None, float | None]:
         """(turn, decode up to sample, 'final' or 'preview'), or how long to sleep (lock held)."""
+        for waiting in self._settling:  # older turns' final transcripts first
+            if not waiting.cancelled.is_set() and waiting.final_text is None and not self._final_covered(waiting):
+                return (waiting, waiting.end, "final"), None
         turn = self._turn
         if turn is None or turn.cancelled.is_set() or turn.final_text is not None:
             return None, None
-        needed = self._needed(turn)
-        covered = any(entry[0] >= needed for entry in turn.transcripts) or any(
-            until >= needed for until, kind in turn.inflight if kind == "final"
-        )
+        covered = self._final_covered(turn)
         if not covered:
             if turn.ended:
                 return (turn, turn.end, "final"), None
@@ -453,6 +464,12 @@ class VoiceLoop:
             return (turn, self._history.total, "preview"), None
         return None, due
 
+    def _final_covered(self, turn: _Turn) -> bool:
+        """A final transcript of the turn's voiced audio is in, or on its way (lock held)."""
+        needed = self._needed(turn)
+        return any(entry[0] >= needed for entry in turn.transcripts) or any(
+            until >= needed for until, kind in turn.inflight if kind == "final")
+
     @staticmethod
     def _needed(turn: _Turn) -> int:
         """A transcript is final once it covers the last voiced window plus one more."""
@@ -460,14 +477,24 @@ class VoiceLoop:
         return min(turn.end, needed) if turn.ended else needed
 
     def _settle_final(self, events: list[LoopEvent]) -> None:
-        """Once a turn has ended, take a transcript that covers all its voiced audio (lock held)."""
-        turn = self._turn
-        if turn is None or not turn.ended or turn.final_text is not None or turn.cancelled.is_set():
-            return
+        """Ended turns, oldest first, take a transcript that covers all their voiced audio; one still waiting for
+        its transcript holds back the newer ones, so that replies come in the order the turns were spoken (lock held)."""
+        self._settling = [t for t in self._settling if t.final_text is None and not t.cancelled.is_set()]
+        for turn in [*self._settling, self._turn]:
+            if turn is None or not self._settle(turn, events):
+                break
+        self._settling = [t for t in self._settling if t.final_text is None and not t.cancelled.is_set()]
+
+    def _settle(self, turn: _Turn, events: list[LoopEvent]) -> bool:
+        """The turn's final transcript taken, its reply queued (or the turn ignored); False while it waits (lock held)."""
+        if turn.final_text is not None or turn.cancelled.is_set():
+            return True
+        if not turn.ended:
+            return False
         needed = self._needed(turn)
         covering = [entry for entry in turn.transcripts if entry[0] >= needed]
         if not covering:
-            return
+            return False
         until, turn.final_text, started = max(covering)
         # Positive: the final decode began during the silence wait, ahead of the end of turn.
         turn.trace.info["final_decode_lead_s"] = round(turn.trace.stamps["speech_end"] - started, 3)
@@ -479,8 +506,9 @@ class VoiceLoop:
             turn.trace.info["status"] = "ignored"
             events.append(LoopEvent("turn_ignored", turn.turn_id))
             self._finish(turn)
-            return
+            return True
         self._replies.put(turn)
+        return True
 
     # --- reply worker ---------------------------------------------------------------------------
 
