@@ -94,7 +94,8 @@ class Controller:
             except BaseException:  # e.g. a recordings folder that cannot be made: no engine left running behind
                 live.stop(session_log=None)
                 raise
-            self.live, self.client_error = live, None
+            # a session running clears what an earlier start or restart failed with (the page would show it forever)
+            self.live, self.client_error, self.engine_error = live, None, None
             if self.config.audio_input == "local":
                 self._start_local_mic(live)
             return live

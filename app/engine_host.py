@@ -38,6 +38,7 @@ class EngineHost:
         self.cuda_graph = self._graph_replay()
         self._spare = None
         self._spare_lock = threading.Lock()
+        self._closed = False  # under _spare_lock: a spare finished after close() is closed, not kept
         if self.placement is not None:
             self._spare = self._new_distributed()
 
@@ -88,7 +89,11 @@ class EngineHost:
     def _take_distributed(self):
         with self._spare_lock:
             engine, self._spare = self._spare, None
-        if engine is None or engine.closed:
+        if engine is not None and not engine.alive():  # a process of the idle spare died: start afresh
+            log.warning("the spare engine lost a process; starting a new one")
+            engine.close()
+            engine = None
+        if engine is None:
             engine = self._new_distributed()
         threading.Thread(target=self._refill_spare, name="talkloop-spare-engine", daemon=True).start()
         return engine
@@ -100,7 +105,7 @@ class EngineHost:
             log.exception("could not start a spare engine")
             return
         with self._spare_lock:
-            if self._spare is None:
+            if self._spare is None and not self._closed:
                 self._spare = engine
                 return
         engine.close()
@@ -128,6 +133,7 @@ class EngineHost:
 
     def close(self) -> None:
         with self._spare_lock:
+            self._closed = True
             engine, self._spare = self._spare, None
         if engine is not None:
             engine.close()

@@ -96,7 +96,7 @@ def build_ui(controller: Controller) -> gr.Blocks:
         except Exception as e:
             controller.engine_error = f"restart failed: {e}"
             return f"restart failed: {e}"
-        return f"restarted: session {live.session_id}"
+        return f"session {live.session_id} on {live.preset} (restarted)"
 
     def switch(preset: str, record: bool) -> str:
         """A new preset while live: a new session on it (the browser reconnects)."""
@@ -166,17 +166,21 @@ def build_ui(controller: Controller) -> gr.Blocks:
         timer = gr.Timer(0.5)
         timer.tick(refresh, outputs=[transcript, latency, health, failures, restart_btn], show_progress="hidden")
         if webrtc:
-            start_btn.click(start, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
-            # js runs first: the browser hangs up, then the server ends the session.
+            # js runs first: Start, Restart and a switch take a ticket; once the server answered, the page connects to
+            # the session it names, unless Stop or another click came in between (talkloop.js, afterStart)
+            ticket = "(...args) => { window.talkloop.requested(); return args; }"
+            connect = dict(inputs=[session_text], js="(answer) => window.talkloop.afterStart(answer)")
+            start_btn.click(start, inputs=[preset, record], outputs=[session_text], js=ticket).then(None, **connect)
+            # the browser hangs up, then the server ends the session
             stop_btn.click(stop, outputs=[session_text], js="async () => { await window.talkloop.disconnect(); return []; }")
-            restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(None, js="() => window.talkloop.connect()")
-            preset.change(switch, inputs=[preset, record], outputs=[session_text]).then(
-                None, js="() => window.talkloop.state.pc ? window.talkloop.connect() : null")
+            restart_btn.click(restart, inputs=[preset, record], outputs=[session_text], js=ticket).then(None, **connect)
+            # .input: a pick by the user, once (.change also fires when the value is set, which started two sessions)
+            preset.input(switch, inputs=[preset, record], outputs=[session_text], js=ticket).then(None, **connect)
         else:
             start_btn.click(start, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
             stop_btn.click(stop, outputs=[session_text])
             restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
-            preset.change(switch, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
+            preset.input(switch, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
             if mic is not None:
                 mic.stream(feed_mic, inputs=[mic], outputs=None, stream_every=0.25)
         refresh_btn.click(recordings_choices, outputs=[choice])

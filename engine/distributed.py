@@ -380,6 +380,10 @@ class DistributedEngine:
         self.timings.append({"step_ms": payload["step_ms"], "decode_ms": payload["decode_ms"], "delivered": time.monotonic()})
         return index, payload["frames"]
 
+    def alive(self) -> bool:
+        """Open, with every one of its processes still running (a spare engine held idle can lose one unseen)."""
+        return not self.closed and all(p.is_alive() for p in self._procs)
+
     def pids(self) -> dict[str, int]:
         """Process name -> pid of every engine process (memory figures, fault injection)."""
         return {p.name: p.pid for p in self._procs if p.pid is not None}

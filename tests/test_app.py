@@ -241,6 +241,47 @@ def test_missing_voice_models_are_shown_and_the_engine_still_runs(tmp_path):
         controller.close()
 
 
+def test_a_failed_restart_is_no_longer_shown_once_a_session_runs(tmp_path):
+    from app.controller import Controller
+
+    controller = Controller(_config(tmp_path, asr_model=str(tmp_path / "no-such-model")))
+    try:
+        controller.engine_error = "restart failed: talkloop-diffusion-0 died"  # as the page's Restart sets it
+        controller.start("ada")
+        assert not any("restart failed" in f for f in controller.failures())
+    finally:
+        controller.close()
+
+
+def test_the_spare_engine_is_replaced_when_it_lost_a_process_and_closed_with_the_app(tmp_path):
+    import multiprocessing
+
+    from app.controller import Controller
+
+    controller = Controller(_config(tmp_path, tp=1, asr_model=str(tmp_path / "no-such-model")))
+    host = controller.host
+    try:
+        controller.start("ada")  # takes the spare made at start-up; a new spare is made behind it
+        deadline = time.monotonic() + 60
+        while host._spare is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        spare = host._spare
+        assert spare is not None
+        spare.kill_process("talkloop-diffusion-0")  # lost while idle, unseen
+        time.sleep(0.5)
+        live = controller.start("kofi")  # before: failed once with "talkloop-diffusion-0 died"
+        assert live.engine is not spare and spare.closed
+        while live.character.playout.stats.released < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live.character.playout.stats.released >= 8
+    finally:
+        controller.close()
+    deadline = time.monotonic() + 60  # a spare still being made when the app closed is closed once it is ready
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert host._spare is None and not multiprocessing.active_children()
+
+
 def test_a_recording_that_cannot_start_leaves_no_engine_running(tmp_path):
     import threading
 

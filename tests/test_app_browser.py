@@ -134,8 +134,42 @@ def test_switching_the_preset_while_live_starts_a_session_on_it(app):
         assert controller.live is not first and first.stats is not None  # the old session was stopped
         shown = page.evaluate("() => window.talkloop.state.framesShown")
         wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > shown + 24, 30, "mika's video")
+        # Two picks in quick succession: one session each, and the page ends up showing the last one. (Before, each
+        # pick started two sessions and the page's connection was dropped for a stale one: the video froze.)
+        for name in ("sol", "kofi"):
+            page.locator("#tl-preset input").click()
+            page.get_by_role("option", name=name).click()
+            time.sleep(0.3)
+        wait_for(lambda: controller.live is not None and controller.live.preset == "kofi", 30, "a live session on kofi")
+        time.sleep(5)  # past the 2 s a stale connection would wait before sending its offer
+        shown = page.evaluate("() => window.talkloop.state.framesShown")
+        wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > shown + 24, 30, "kofi's video going on")
+        assert page.evaluate("() => window.talkloop.state.pc.connectionState") == "connected"
         page.click("#tl-stop")
         wait_for(lambda: controller.live is None, 30, "the session to stop")
+        browser.close()
+
+
+def test_a_start_that_fails_lets_the_microphone_go_and_shows_why(app):
+    controller, tmp = app
+    quiet = conversation_wav(tmp / "quiet.wav", [np.zeros(1600, np.float32)], gap_s=1.0)
+
+    def broken_start(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with sync_playwright() as p:
+        browser, page = start_in_browser(p, quiet, controller.config.port)
+        wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > 24, 60, "the video to play")
+        page.click("#tl-stop")
+        wait_for(lambda: controller.live is None, 30, "the session to stop")
+        controller.start = broken_start
+        try:
+            page.click("#tl-start")
+            wait_for(lambda: "could not start" in page.locator("#tl-failures").inner_text(), 30, "the failure shown")
+            time.sleep(1.0)
+            assert page.evaluate("() => window.talkloop.state.mic === null && window.talkloop.state.pc === null")
+        finally:
+            del controller.start
         browser.close()
 
 

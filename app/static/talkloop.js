@@ -2,7 +2,14 @@
 // the character's video and voice down, and delivery reports measured here in the browser.
 (() => {
   const SILENT_RMS = 0.003, LOUD_RMS = 0.01, QUIET_BEFORE_MS = 150;
-  const state = { pc: null, channel: null, mic: null, ctx: null, timer: null, syncTimer: null, onsets: [], frames: [], pending: new Map(), framesShown: 0 };
+  const state = { pc: null, channel: null, mic: null, ctx: null, timer: null, syncTimer: null, onsets: [], frames: [], pending: new Map(), framesShown: 0,
+                  watching: false, startTicket: 0 };
+  // Bumped by every connect() and disconnect(): a connect() still in flight from before (Start pressed twice, a
+  // preset switched twice, Stop during a start) finds itself stale after its next await, closes what it opened
+  // and sends no offer, so it cannot take the place of the connection the page shows.
+  let generation = 0;
+  // Bumped by Start, Restart, a preset switch and Stop: a session start answered after Stop connects nothing.
+  let requests = 0;
 
   const epochMs = () => performance.timeOrigin + performance.now();
   const $ = (id) => document.getElementById(id);
@@ -44,6 +51,8 @@
 
   // Every frame the video element presents, with when it was presented.
   function watchVideo(video) {
+    if (state.watching) return;  // one callback chain for the element, whatever it plays
+    state.watching = true;
     const offset = performance.timeOrigin;
     const onFrame = (now, meta) => {
       state.framesShown += 1;
@@ -93,22 +102,34 @@
   }
 
   async function connect() {
-    await disconnect();
+    await hangUp();
+    const mine = ++generation;
+    let mic = null, pc = null;
+    const stale = () => {  // a newer connect() or a disconnect() came since: drop what this one opened
+      if (mine === generation) return false;
+      if (pc) pc.close();
+      if (mic) mic.getTracks().forEach((t) => t.stop());
+      return true;
+    };
     const config = await (await fetch("/talkloop/client-config")).json();
+    if (stale()) return false;
     status("connecting…");
     if (config.audio_input === "browser") {
       try {
-        state.mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 } });
+        mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 } });
       } catch (e) {
+        if (stale()) return false;
         const denied = e && (e.name === "NotAllowedError" || e.name === "SecurityError");
         await reportError(denied ? "Microphone access was denied: allow the microphone for this page and press Start again."
                                  : `No microphone: ${e && e.message ? e.message : e}`);
         return false;
       }
+      if (stale()) return false;
     }
-    const pc = new RTCPeerConnection({ iceServers: [] });
+    pc = new RTCPeerConnection({ iceServers: [] });
     state.pc = pc;
-    if (state.mic) state.mic.getTracks().forEach((track) => pc.addTrack(track, state.mic));
+    state.mic = mic;
+    if (mic) mic.getTracks().forEach((track) => pc.addTrack(track, mic));
     else pc.addTransceiver("audio", { direction: "recvonly" });
     pc.addTransceiver("video", { direction: "recvonly" });
     state.channel = pc.createDataChannel("talkloop");
@@ -116,6 +137,7 @@
     const video = $("tl-video");
     const remote = new MediaStream();
     pc.ontrack = (event) => {
+      if (mine !== generation) return;
       remote.addTrack(event.track);
       if (video.srcObject !== remote) { video.srcObject = remote; watchVideo(video); }
       if (event.track.kind === "audio") watchAudio(remote);
@@ -124,6 +146,7 @@
     clearInterval(state.syncTimer);
     state.syncTimer = setInterval(reportSync, 1000);
     pc.onconnectionstatechange = () => {
+      if (mine !== generation) return;
       if (pc.connectionState === "connected") status("live: talk to the character");
       if (pc.connectionState === "failed") reportError("The connection to the app failed.");
     };
@@ -133,14 +156,40 @@
       pc.addEventListener("icegatheringstatechange", () => pc.iceGatheringState === "complete" && resolve());
       setTimeout(resolve, 2000);
     });
+    if (stale()) return false;
     const answer = await fetch("/talkloop/offer", { method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ sdp: pc.localDescription.sdp, type: pc.localDescription.type }) });
-    if (!answer.ok) { await reportError((await answer.json()).error || "the app refused the connection"); return false; }
+    if (stale()) return false;
+    if (!answer.ok) {
+      const error = (await answer.json()).error || "the app refused the connection";
+      await hangUp();  // no connection: the microphone is let go too
+      await reportError(error);
+      return false;
+    }
     await pc.setRemoteDescription(await answer.json());
-    return true;
+    return !stale();
   }
 
+  // Gradio hooks. Start, Restart and a preset switch take a ticket when clicked; once the server answered, the page
+  // connects if the answer names a session and nothing (Stop, another click) came in between, and otherwise hangs up.
+  function requested() {
+    state.startTicket = ++requests;
+  }
+
+  async function afterStart(answer) {
+    if (state.startTicket === requests && typeof answer === "string" && answer.startsWith("session ")) return connect();
+    if (state.startTicket === requests) await hangUp();
+    return false;
+  }
+
+  // Stop: whatever start is still being answered connects nothing.
   async function disconnect() {
+    requests += 1;
+    await hangUp();
+  }
+
+  async function hangUp() {
+    generation += 1;
     if (state.pc) { state.pc.close(); state.pc = null; }
     if (state.mic) { state.mic.getTracks().forEach((t) => t.stop()); state.mic = null; }
     clearInterval(state.timer);
@@ -150,5 +199,5 @@
     status("stopped");
   }
 
-  window.talkloop = { connect, disconnect, state };
+  window.talkloop = { connect, disconnect, requested, afterStart, state };
 })();
