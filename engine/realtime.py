@@ -17,6 +17,7 @@ playout buffer together.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from engine.playout import PlayoutBuffer
 from engine.session import EngineSession
 
 _SPEECH_RMS = 1e-4  # below this a frame's audio counts as silence
+log = logging.getLogger(__name__)
 
 
 def _silenced(frame: "AVFrame") -> "AVFrame":
@@ -168,6 +170,7 @@ class RealtimeCharacter:
     # lead is the buffer's max_lead. A step's time runs from room in the buffer to its frames in hand (with a
     # step in flight, `lookahead`, that is from submitting the next one), which is what the lead must cover.
     LEAD_WINDOW, ADAPT_AFTER = 48, 8
+    STOP_WAIT_S = 10.0  # stop() waits this long for the step in flight (a first step may compile, capture a graph)
 
     def __init__(self, session: EngineSession | None = None, codec: Codec | None = None, *,
                  steps: LocalSteps | RemoteSteps | None = None, playout: PlayoutBuffer | None = None, lookahead: int = 0,
@@ -209,9 +212,15 @@ class RealtimeCharacter:
         """Stop the loop; the session's figures are appended to `session_log` when given. Returns them."""
         self._running.clear()
         self.playout.close()
+        still_running = False
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=self.STOP_WAIT_S)
+            still_running = self._thread.is_alive()
+            if still_running:  # it ends after its step; whoever reuses the engine's model should know
+                log.warning("the engine loop is still in a step %.0f s after stop(); it ends after that step", self.STOP_WAIT_S)
         stats = self.stats()
+        if still_running:
+            stats["loop_still_running_at_stop"] = True
         p = self.playout.stats
         stats["seconds"] = (p.last_release - p.first_release) if p.first_release is not None else 0.0
         if session_log is not None:

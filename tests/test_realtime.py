@@ -90,6 +90,29 @@ def test_barge_in_silences_a_step_on_its_way_into_the_buffer(model):
     assert not any(f.speaking or f.pcm.any() for f in frames)
 
 
+def test_a_stop_that_outwaits_its_step_says_so(model, caplog):
+    import threading
+
+    character = make_character(model)
+    character.STOP_WAIT_S = 0.2
+    in_step, release = threading.Event(), threading.Event()
+
+    def slow_step(step: int) -> None:
+        if step == 1:
+            in_step.set()
+            release.wait(10)
+
+    character.before_step = slow_step
+    character.start()
+    assert in_step.wait(30)
+    stats = character.stop()
+    release.set()
+    assert stats["loop_still_running_at_stop"] is True
+    assert "still in a step" in caplog.text
+    character._thread.join(10)
+    assert not character._thread.is_alive()
+
+
 def test_loop_thread_streams_frames_in_order_and_stops(model):
     character = make_character(model)
     character.start()
