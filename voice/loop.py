@@ -75,10 +75,9 @@ class RecordingSink:
 
 @dataclass(frozen=True)
 class LoopEvent:
-    """kind: speech_start, user_partial, user_final, agent_text (a chunk),
-    agent_done (the full reply), agent_interrupted (a reply cut short: what of it was heard, after its agent_done if it was all
-    synthesized already),
-    barge_in, turn_ignored, error."""
+    """kind: speech_start, user_partial, user_final, agent_text (a chunk), agent_done (the full reply),
+    agent_interrupted (a reply cut short: what of it was heard; after its agent_done when it was all
+    synthesized already), barge_in, turn_ignored, error."""
 
     kind: str
     turn_id: int
