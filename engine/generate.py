@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--attention-kernel {args.attention_kernel} is a kernel of the triton path, not of --attention {args.attention}")
         if args.attention_kernel == "ws" and device.type != "cuda" and args.gpus is None:
             raise ValueError("--attention-kernel ws needs a Hopper GPU (sm_90)")
+        if not args.out or Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out!r} is a folder: give the MP4 file to write, e.g. clip.mp4")
         if not Path(args.out).resolve().parent.is_dir():
             raise ValueError(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
         pcm = read_audio(args.audio, max_seconds=args.max_seconds)

@@ -50,6 +50,8 @@ class Mp4Writer:
     def __init__(self, path: str | Path, fps: int, size: tuple[int, int], sample_rate: int = SAMPLE_RATE, *,
                  container_format: str | None = None, first_frame: int = 0, first_sample: int = 0):
         self.path = Path(path)
+        if self.path.is_dir():  # FFmpeg would find out only at the first packet, after the work that made it
+            raise IsADirectoryError(f"cannot write a video to {self.path}: it is a folder")
         # flush_packets: each fragment reaches the file when it is muxed, not when FFmpeg's IO buffer fills
         options = {"flush_packets": "1"}
         if container_format is None:

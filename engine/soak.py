@@ -166,6 +166,10 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
         raise ValueError(f"--restarts must be >= 0, got {restarts}")
     if any(f.kind in KILLS for f in faults) and config.tp < 2 and not config.processes:
         raise ValueError("kill faults need the engine's own processes: use a config with processes=true or tp >= 2")
+    for f in faults:
+        if f.kind == "kill-rank" and int(f.arg) >= max(config.tp, 1):
+            raise ValueError(f"fault {f.kind}@{f.at:g}:{int(f.arg)}: there is no rank {int(f.arg)} "
+                             f"(ranks 0..{max(config.tp, 1) - 1})")
     source = source or default_audio_source()
     turns = [speech_clip(seed + i, speech_s, source) for i in range(4)]  # cycled
 
@@ -250,6 +254,8 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
         ended, error = "engine failure", str(e).splitlines()[0]
         if not failures or failures[-1]["error"] != error:
             trace.write("error", error=str(e))
+    except KeyboardInterrupt:  # Ctrl-C: the report and the trace's end as far as the session went
+        ended, error = "interrupted", "interrupted (Ctrl-C)"
     finally:
         released, underruns = live.released, live.underruns
         live.stop()
@@ -275,6 +281,10 @@ def _inject(fault: Fault, live: LiveCharacter, step_faults: StepFaults, trace: T
         engine = character.steps.engine
         index = int(fault.arg)
         name = f"talkloop-decoder-{index}" if fault.kind == "kill-decoder" else f"talkloop-diffusion-{index}"
+        if name not in engine.pids():  # a fault that names no process is the fault's mistake, not the engine's failure
+            fault.details["not_injected"] = f"no process {name}; have {', '.join(engine.pids())}"
+            trace.write("fault", **fault.report())
+            return
         engine.kill_process(name)
         fault.injected_at, fault.details["process"] = now, name
     elif fault.kind == "corrupt-audio":
@@ -300,7 +310,7 @@ def _outcome(fault: Fault, samples: list[dict], ended: str, until: float, failur
     d["underruns_after"] = (after[-1]["underruns"] - d.get("underruns_before", 0)) if after else None
     d["frames_after"] = (after[-1]["released"] - d.get("released_before", 0)) if after else None
     if fault.injected_at is None:
-        d["outcome"] = "not injected (the session ended first)"
+        d["outcome"] = f"not injected: {d['not_injected']}" if "not_injected" in d else "not injected (the session ended first)"
     elif fault.kind in KILLS:
         failure = next((f for f in failures if f["at_s"] >= fault.injected_at), None)
         if failure is None:
@@ -379,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         ch.get_look(args.preset)
         faults = [parse_fault(f) for f in args.fault]
         for path in (args.record, args.trace):
+            if path is not None and (not path or Path(path).is_dir()):
+                raise ValueError(f"cannot write {path!r}: it is a folder (give a file)")
             if path is not None and not Path(path).parent.is_dir():
                 raise ValueError(f"cannot write {path}: folder {Path(path).parent} does not exist")
         report = soak(spec, config, seconds=args.seconds, speech_s=args.speech, silence_s=args.silence,
@@ -391,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.samples:
         report.pop("samples")
     print(json.dumps(report))
-    return 0 if report["ended"] == "ran its time" else 1
+    return {"ran its time": 0, "interrupted": 130}.get(report["ended"], 1)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ def test_generate_writes_a_playable_mp4_with_audio(tmp_path):
         (["--audio", "{tone}", "--device", "cpu", "--gemm", "fp8-fast"], "--gemm fp8-fast needs a CUDA GPU"),
         (["--audio", "{tone}", "--device", "cpu", "--attention-kernel", "ws"], "--attention-kernel ws needs a Hopper GPU"),
         (["--audio", "{tone}", "--attention", "sdpa", "--attention-kernel", "ws"], "not of --attention sdpa"),
+        (["--audio", "{tone}", "--out", "{folder}"], "is a folder"),  # refused before any work, not a traceback after
     ],
 )
 def test_generate_bad_input(tmp_path, args, message):
@@ -95,7 +96,7 @@ def test_generate_bad_input(tmp_path, args, message):
     write_wav(empty, 0.0)
     tone = tmp_path / "tone.wav"
     write_wav(tone, 0.5)
-    args = [a.format(junk=junk, empty=empty, tone=tone) for a in args]
+    args = [a.format(junk=junk, empty=empty, tone=tone, folder=tmp_path) for a in args]
     base = {"--spec": "tiny", "--audio": str(empty), "--out": str(tmp_path / "o.mp4")}
     for i in range(0, len(args), 2):
         base[args[i]] = args[i + 1]

@@ -73,10 +73,32 @@ def test_slope_is_per_minute_and_ignores_missing():
     (["--config", "fp8-cachee"], "unknown config preset"),
     (["--seconds", "0"], "--seconds must be positive"),
     (["--record", "/nonexistent-folder/x.mp4"], "folder /nonexistent-folder does not exist"),
+    (["--record", "/tmp"], "'/tmp': it is a folder"),
+    (["--trace", "/tmp"], "'/tmp': it is a folder"),
+    (["--config", "fp8-cache,tp=2", "--fault", "kill-rank@1:5"], "there is no rank 5 (ranks 0..1)"),
 ])
 def test_soak_cli_refuses_bad_arguments(args, message, capsys):
     assert main(["--spec", "tiny", "--seconds", "2", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_the_soak_with_its_report_and_the_traces_end(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    mp4, trace = tmp_path / "soak.mp4", tmp_path / "soak.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "engine.soak", "--spec", "tiny", "--seconds", "60", "--audio-source", "synth",
+                             "--record", str(mp4), "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (trace.exists() and '"second"' in trace.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    report = json.loads(out)
+    assert report["ended"] == "interrupted" and report["frames_recorded"] == mp4_frames(mp4) > 0
+    assert trace_lines(trace)[-1]["event"] == "end" and "Traceback" not in err
 
 
 def test_recording_and_trace_survive_a_killed_process(tmp_path):
