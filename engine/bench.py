@@ -1046,6 +1046,8 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     args = p.parse_args(argv)
     try:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
         spec = shard_spec(get_spec(args.spec), args.tp_shard)
         device = pick_device(args.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,9 +40,11 @@ def summarize(path: str | Path, fps: float = 24.0, min_seconds: float = 1.0, tol
     unreadable lines are counted, not fatal."""
     sessions, bad = [], 0
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"session log {path} is a folder: give the JSON-lines file")
     if not path.is_file():
         raise ValueError(f"session log not found: {path}")
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():  # a damaged line is one more unreadable
         try:
             row = json.loads(line)
             sessions.append((float(row["seconds"]), float(row["fps"])))
@@ -51,7 +54,7 @@ def summarize(path: str | Path, fps: float = 24.0, min_seconds: float = 1.0, tol
     slow = [s for s in counted if s[1] < fps * (1 - tolerance)]
     return {"log": str(path), "sessions": len(sessions), "counted": len(counted), "unreadable_lines": bad,
             f"share_below_{fps:g}_fps": (len(slow) / len(counted)) if counted else None,
-            "median_fps": sorted(f for _, f in counted)[len(counted) // 2] if counted else None}
+            "median_fps": statistics.median(f for _, f in counted) if counted else None}
 
 
 def main(argv: list[str] | None = None) -> int:

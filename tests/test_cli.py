@@ -35,6 +35,8 @@ def test_bench_cache_prints_one_json_object():
     assert {"naive_ms", "ring_ms", "speedup", "reset_ms", "shape"} <= result.keys()
     assert result["naive_ms"] > 0 and result["ring_ms"] > 0
     assert result["speedup"] == pytest.approx(result["naive_ms"] / result["ring_ms"])
+    out = run("engine.bench", "cache", "--device", "cpu", "--json", "--repeats", "0")
+    assert out.returncode == 2 and "--repeats must be at least 1" in out.stderr
 
 
 def test_attention_bench_never_picks_a_fast_configuration_that_is_wrong():

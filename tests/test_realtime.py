@@ -171,6 +171,12 @@ def test_session_log_reports_the_share_of_slow_sessions(tmp_path, model):
     for fps in (24.000000001, 23.999999997, 23.9, 23.1):
         record_session({"seconds": 60.0, "fps": fps}, on_time)
     assert summarize(on_time)["share_below_24_fps"] == 0.5
+    assert summarize(on_time)["median_fps"] == pytest.approx((23.999999997 + 23.9) / 2)  # an even count: the middle two
+    with open(on_time, "ab") as f:
+        f.write(b'{"seconds": 60.0, "fps": \xff}\n')  # not UTF-8: one more unreadable line, not an error
+    assert summarize(on_time)["unreadable_lines"] == 1
+    with pytest.raises(ValueError, match="is a folder"):
+        summarize(tmp_path)
     with pytest.raises(ValueError, match="not found"):
         summarize(tmp_path / "missing.jsonl")
 
