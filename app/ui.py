@@ -49,7 +49,7 @@ def _messages(lines) -> list[dict[str, str]]:
             continue
         role = "assistant" if line.role in ("assistant", "error") else "user"
         text = line.text if line.role != "error" else f"⚠ {line.text}"
-        if getattr(line, "interrupted", False):
+        if line.interrupted:
             text += INTERRUPTED
         out.append({"role": role, "content": text if line.final or line.role != "user" else f"{text} …"})
     return out

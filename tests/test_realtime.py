@@ -1,5 +1,7 @@
 """The real-time character: audio and frames in sync, barge-in, the loop thread."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,16 @@ def make_character(model, **kw) -> RealtimeCharacter:
     session = EngineSession(model, seed=2)
     session.start(reference_latent())
     return RealtimeCharacter(session, StandInCodec(TINY), **kw)
+
+
+def first_frames(character: RealtimeCharacter, n: int) -> list:
+    """The first n frames the running loop plays."""
+    frames = []
+    for frame in character.frames(timeout=10):
+        frames.append(frame)
+        if len(frames) == n:
+            break
+    return frames
 
 
 def speech(seconds: float) -> np.ndarray:
@@ -62,8 +74,6 @@ def test_barge_in_silences_waiting_frames_and_drops_unmade_speech(model):
 def test_barge_in_silences_a_step_on_its_way_into_the_buffer(model):
     """A barge-in after a step left the submitted queue and before the loop put its frames in the buffer (held
     there by the on_step hook) finds them in neither place; they are silenced on the way in all the same."""
-    import threading
-
     character = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=16))
     in_transit, cleared = threading.Event(), threading.Event()
 
@@ -79,11 +89,7 @@ def test_barge_in_silences_a_step_on_its_way_into_the_buffer(model):
         assert in_transit.wait(30)
         character.clear()
         cleared.set()
-        frames = []
-        for frame in character.frames(timeout=10):
-            frames.append(frame)
-            if len(frames) == 8:
-                break
+        frames = first_frames(character, 8)
     finally:
         character.stop()
     assert [f.index for f in frames] == list(range(8))
@@ -91,8 +97,6 @@ def test_barge_in_silences_a_step_on_its_way_into_the_buffer(model):
 
 
 def test_a_stop_that_outwaits_its_step_says_so(model, caplog):
-    import threading
-
     character = make_character(model)
     character.STOP_WAIT_S = 0.2
     in_step, release = threading.Event(), threading.Event()
@@ -116,11 +120,7 @@ def test_a_stop_that_outwaits_its_step_says_so(model, caplog):
 def test_loop_thread_streams_frames_in_order_and_stops(model):
     character = make_character(model)
     character.start()
-    frames = []
-    for frame in character.frames(timeout=10):
-        frames.append(frame)
-        if len(frames) == 12:
-            break
+    frames = first_frames(character, 12)
     character.stop()
     assert [f.index for f in frames] == list(range(12))
     stats = character.stats()
@@ -153,9 +153,7 @@ def test_session_log_reports_the_share_of_slow_sessions(tmp_path, model):
     log = tmp_path / "sessions.jsonl"
     character = make_character(model)
     character.start()
-    for i, _ in enumerate(character.frames(timeout=10)):
-        if i == 30:
-            break
+    first_frames(character, 31)
     stats = character.stop(session_log=str(log))
     assert stats["seconds"] > 1.0 and stats["fps"] > 0
     record_session({"seconds": 30.0, "fps": 23.1}, log)
