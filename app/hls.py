@@ -5,7 +5,8 @@ the WebRTC connection.
 
 Released frames reach `SegmentStream` from the live session's pump, like a WebRTC peer's;
 every `seconds` of them become one H.264 + AAC segment, with timestamps that run on across
-segments so the player joins them without gaps.
+segments so the player joins them without gaps (one AAC encoder runs across them all, so the
+audio neither overlaps nor gaps at a join).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from engine.audio import SAMPLE_RATE
-from engine.media import Mp4Writer
+from engine.media import Mp4Writer, audio_encoder
 from engine.realtime import AVFrame
 
 
@@ -40,6 +41,7 @@ class SegmentStream:
         # audio below zero, and the muxer would then shift that segment alone.
         self._frames_written = fps
         self._samples_written = SAMPLE_RATE
+        self._audio_encoder = audio_encoder()  # one for the stream, so that segments' audio neither overlaps nor gaps
         self._written: list[Path] = []
         live.add_listener(self._on_frame, self._on_turn)
 
@@ -78,7 +80,8 @@ class SegmentStream:
 
     def _write(self, path: Path, frames: list[AVFrame]) -> None:
         with Mp4Writer(path, self.fps, frames[0].rgb.shape[:2], container_format="mpegts",
-                       first_frame=self._frames_written, first_sample=self._samples_written) as writer:
+                       first_frame=self._frames_written, first_sample=self._samples_written,
+                       audio_encoder=self._audio_encoder) as writer:
             for frame in frames:
                 writer.write(frame.rgb, frame.pcm)
         self._frames_written, self._samples_written = writer.frames, writer.samples  # running on from this segment

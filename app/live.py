@@ -37,10 +37,10 @@ class EngineSink:
         self.character = character
         self.speech_from_frame: int | None = None  # the first frame the newest reply speech can land on
 
-    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> float:
         if self.speech_from_frame is None:
             self.speech_from_frame = self.character.steps.next_frame
-        self.character.push_audio(pcm, sample_rate)
+        return self.character.push_audio(pcm, sample_rate)
 
     def clear(self) -> None:
         self.speech_from_frame = None

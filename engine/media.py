@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -38,17 +39,29 @@ def read_audio(path: str | Path, max_seconds: float | None = None) -> np.ndarray
     return pcm
 
 
+def audio_encoder(sample_rate: int = SAMPLE_RATE) -> av.CodecContext:
+    """A mono AAC encoder to share between consecutive `Mp4Writer` segments."""
+    encoder = av.CodecContext.create("aac", "w")
+    encoder.sample_rate, encoder.layout, encoder.format = sample_rate, "mono", "fltp"
+    encoder.time_base = Fraction(1, sample_rate)
+    encoder.open()
+    return encoder
+
+
 class Mp4Writer:
     """Streams RGB frames and their audio (H.264 + AAC) into a fragmented MP4.
 
     Fragmented (empty moov, a fragment per keyframe) so that a file cut short by a
     crash still plays up to its last fragment. With `container_format="mpegts"` it writes
     an MPEG-TS segment instead, its timestamps starting at `first_frame` / `first_sample`
-    so that consecutive segments join without gaps.
+    so that consecutive segments join without gaps; for their audio to join too, give each segment
+    the same `audio_encoder` (`audio_encoder()`): a new AAC encoder would start each segment with
+    its priming (64 ms early) and end it padded, so that neighbours overlap.
     """
 
     def __init__(self, path: str | Path, fps: int, size: tuple[int, int], sample_rate: int = SAMPLE_RATE, *,
-                 container_format: str | None = None, first_frame: int = 0, first_sample: int = 0):
+                 container_format: str | None = None, first_frame: int = 0, first_sample: int = 0,
+                 audio_encoder: av.CodecContext | None = None):
         self.path = Path(path)
         if self.path.is_dir():  # FFmpeg would find out only at the first packet, after the work that made it
             raise IsADirectoryError(f"cannot write a video to {self.path}: it is a folder")
@@ -64,6 +77,8 @@ class Mp4Writer:
         self.video.options = {"preset": "veryfast", "tune": "zerolatency", "g": str(fps)}
         self.audio = self.container.add_stream("aac", rate=sample_rate)
         self.audio.layout = "mono"
+        # the caller's encoder runs on across files: its packets go into this file's stream, its tail into the next
+        self.audio_encoder = audio_encoder
         self.sample_rate = sample_rate
         self.frames = first_frame  # the next video frame's timestamp, in frames
         self.samples = first_sample  # the next audio frame's timestamp, in samples
@@ -78,11 +93,17 @@ class Mp4Writer:
             af = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, dtype=np.float32).reshape(1, -1), format="flt", layout="mono")
             af.sample_rate, af.pts = self.sample_rate, self.samples
             self.samples += pcm.size
-            for packet in self.audio.encode(af):
+            if self.audio_encoder is None:
+                packets = self.audio.encode(af)
+            else:
+                af.time_base = Fraction(1, self.sample_rate)
+                packets = self.audio_encoder.encode(af)
+            for packet in packets:
+                packet.stream = self.audio
                 self.container.mux(packet)
 
     def close(self) -> None:
-        for stream in (self.video, self.audio):
+        for stream in (self.video, self.audio) if self.audio_encoder is None else (self.video,):
             for packet in stream.encode(None):
                 self.container.mux(packet)
         self.container.close()

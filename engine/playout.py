@@ -127,6 +127,14 @@ class PlayoutBuffer:
                 self._cond.notify_all()
         return out
 
+    def head(self) -> tuple[Any | None, float]:
+        """The first waiting frame (None when none waits) and when the next frame is released: its due time,
+        or now while (re)buffering or when the consumer is late. Taken together, under one lock."""
+        with self._cond:
+            now = self.clock()
+            due = now if self.next_due is None else max(self.next_due, now)
+            return (self.frames[0] if self.frames else None), due
+
     def next_release(self) -> float | None:
         with self._cond:
             return self.next_due

@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from engine.audio import frame_of_sample, frame_sample, log_mel_frames, to_mono_16k
+from engine.audio import SAMPLE_RATE, frame_of_sample, frame_sample, log_mel_frames, to_mono_16k
 from engine.decoder import Codec
 from engine.playout import PlayoutBuffer
 from engine.session import EngineSession
@@ -229,17 +229,36 @@ class RealtimeCharacter:
             record_session(stats, session_log)
         return stats
 
-    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
-        """Queue speech (any rate, mono or (samples, channels)); it starts at the next frame not yet made."""
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> float:
+        """Queue speech (any rate, mono or (samples, channels)); it starts at the next frame not yet made, or after
+        the speech queued before it. Returns when its first sample is expected to play, on the playout buffer's
+        clock (time.monotonic by default): every frame before it released one per 1/fps from the next release."""
         pcm = to_mono_16k(pcm, sample_rate)
         with self._lock:  # not into a step already submitted: its audio was taken when it was submitted
             self.timeline.push(pcm, max(self.steps.next_frame, self._unsubmitted))
+            start = self.timeline.speech_end - pcm.size
+            frame = frame_of_sample(start, self.spec.fps)
+            next_frame, due = self._next_release()
+            return due + (frame - next_frame) / self.spec.fps + (start - frame_sample(frame, self.spec.fps)) / SAMPLE_RATE
+
+    def _next_release(self) -> tuple[int, float]:
+        """The next frame to be released and when (called with the lock held): the first waiting in the buffer,
+        else the first of the steps in flight, else the next to be made. (For the moment between a step leaving
+        _pending and its frames reaching the buffer, this names the frame after them: one step late.)"""
+        head, due = self.playout.head()
+        if head is not None:
+            return head.index, due
+        if self._pending:
+            return self._pending[0][0], due
+        return max(self.steps.next_frame, self._unsubmitted), due
 
     def clear(self) -> None:
-        """Barge-in: speech not yet made is dropped, frames already waiting go silent."""
+        """Barge-in: speech not yet made is dropped, frames already waiting go silent, and so does the audio of
+        every frame not yet released, so that the next steps' audio context holds no speech that was never heard."""
         with self._lock:
             self._clears += 1
-            self.timeline.clear_from(max(self.steps.next_frame, self._unsubmitted))
+            unheard_from, _ = self._next_release()
+            self.timeline.clear_from(min(unheard_from, max(self.steps.next_frame, self._unsubmitted)))
             self._pending = deque((first, [np.zeros_like(p) for p in pcms]) for first, pcms in self._pending)
         self.playout.map_waiting(_silenced)
 

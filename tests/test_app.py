@@ -420,6 +420,39 @@ def test_hls_fallback_streams_the_live_session_as_playable_segments(tmp_path):
     assert abs(starts[1] - starts[0] - 1.0) < 0.01  # the second segment picks up where the first ended
 
 
+def test_hls_segments_audio_joins_without_overlap_or_gap(tmp_path):
+    """Each segment's audio starts where the previous one's ended (one AAC encoder across segments): a new encoder
+    per segment would start each with its priming, 64 ms early, and neighbours would overlap."""
+    import av
+
+    from app.hls import SegmentStream
+    from engine.audio import SAMPLE_RATE
+    from engine.realtime import AVFrame
+
+    class Live:
+        def add_listener(self, *listeners) -> None:
+            pass
+
+        def remove_listener(self, *listeners) -> None:
+            pass
+
+    stream = SegmentStream(Live(), tmp_path, 24, seconds=0.5)
+    tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(SAMPLE_RATE * 2) / SAMPLE_RATE).astype(np.float32)
+    per_frame = SAMPLE_RATE // 24
+    for i in range(48):
+        stream._on_frame(AVFrame(i, np.zeros((32, 32, 3), np.uint8), tone[i * per_frame:(i + 1) * per_frame], True), 0.0)
+    segments = stream.segments(timeout=0.1)
+    paths = [next(segments) for _ in range(3)]
+    stream.close()
+    spans = []
+    for path in paths:
+        with av.open(path) as container:
+            packets = [p for p in container.demux(audio=0) if p.pts is not None]
+            spans.append((packets[0].pts, packets[-1].pts + packets[-1].duration))
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start == end  # in 1/90000 s
+
+
 def test_the_page_builds_without_gradio_6_notices(tmp_path):
     """Gradio 5 announces Gradio 6 changes for settings the page relies on (warning whatever their value);
     building the page, for either transport, shows none of them."""

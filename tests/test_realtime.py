@@ -71,6 +71,42 @@ def test_barge_in_silences_waiting_frames_and_drops_unmade_speech(model):
     assert not any(f.speaking for f in character.make_step())
 
 
+def test_pushed_speech_says_when_it_will_play(model):
+    """push_audio returns when its first sample plays: the frames ahead of it are released one per 1/fps from the
+    next release on (on the playout buffer's clock, here a fake one the test moves frame by frame)."""
+    clock = [0.0]
+    character = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=32, clock=lambda: clock[0]))
+    period = 1 / TINY.fps
+    for _ in range(2):
+        character.playout.put(character.make_step())  # frames 0-7 wait; playback starts at t=0
+    clock[0] = 2 * period
+    assert [f.index for f in character.playout.pop_due()] == [0, 1, 2]
+    starts = character.push_audio(speech(0.5), SAMPLE_RATE)  # lands on frame 8, the next one not yet made
+    assert starts == pytest.approx(8 * period)
+    # speech pushed after it starts where it ends, mid-frame
+    assert character.push_audio(speech(0.25), SAMPLE_RATE) == pytest.approx(8 * period + 0.5)
+    released_at = None
+    for k in range(3, 40):
+        if len(character.playout.frames) < 8:
+            character.playout.put(character.make_step())
+        clock[0] = k * period
+        if any(f.speaking for f in character.playout.pop_due()):
+            released_at = clock[0]
+            break
+    assert released_at == pytest.approx(starts)
+
+
+def test_barge_in_leaves_no_unheard_speech_in_the_next_steps_audio_context(model):
+    """Frames made but not yet released are silenced by a barge-in; their speech leaves the audio timeline too,
+    so the steps made next do not read it as context."""
+    character = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=16))
+    character.push_audio(speech(2.0), SAMPLE_RATE)
+    for _ in range(2):
+        character.playout.put(character.make_step())
+    character.clear()
+    assert not any(character.timeline.frame_pcm(k).any() for k in range(8))
+
+
 def test_barge_in_silences_a_step_on_its_way_into_the_buffer(model):
     """A barge-in after a step left the submitted queue and before the loop put its frames in the buffer (held
     there by the on_step hook) finds them in neither place; they are silenced on the way in all the same."""

@@ -195,6 +195,45 @@ def test_barge_in_while_a_finished_reply_plays_cuts_it_back_to_what_was_heard(mo
     assert [spoken for _, spoken in agent.histories[1]] == [story[0]]
 
 
+class LaggingSink(FakeEngineSink):
+    """A sink with a playout buffer: what is pushed plays LAG_S later, after what is queued before it; it says so."""
+
+    LAG_S = 5.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plays_until = 0.0
+
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> float:
+        super().push_audio(pcm, sample_rate)
+        starts = max(self.plays_until, time.monotonic() + self.LAG_S)
+        self.plays_until = starts + pcm.size / sample_rate
+        return starts
+
+    def clear(self) -> None:
+        super().clear()
+        self.plays_until = 0.0
+
+
+def test_a_reply_still_queued_in_the_sink_is_still_speaking_and_can_be_cut(models):
+    """The loop takes the sink's word for when audio plays: once the reply's own length has passed since it was
+    pushed, it still waits in the sink's playout buffer, so it still counts as speaking and a barge-in cuts it
+    (none of it heard yet)."""
+    sink, events = LaggingSink(), []
+    with make_loop(models, sink, agent=ScriptedAgent(["Okay."]), events=events) as loop:
+        feed_audio(loop, question("Hello there."), real_time=False)
+        assert loop.wait_idle(30) and sink.pushes()
+        pushed_t = sink.pushes()[0][1]
+        audio_s = sum(p[2].size / p[3] for p in sink.pushes())
+        time.sleep(max(0.0, pushed_t + audio_s + 0.2 - time.monotonic()))
+        assert time.monotonic() < sink.plays_until - 2.0  # the test's own premise: still queued, with room to spare
+        assert loop.is_speaking
+        feed_audio(loop, question("Wait a moment."), real_time=False)
+        assert loop.wait_idle(30)
+    assert len(sink.clears()) == 1 and "barge_in" in kinds(events)
+    assert text_of(events, "agent_interrupted") == [""]  # it had not started playing
+
+
 def test_a_monologue_is_answered_in_bounded_turns_none_lost(models):
     """70 s of talk with only short pauses: each pause ends a turn and the next start joins it on, but not past
     half of max_speech_s, so every turn's audio stays in the history; each turn is answered, in order."""

@@ -41,9 +41,11 @@ MAX_CONVERSATION = 50  # exchanges kept for the agent
 class AudioSink(Protocol):
     """Where reply speech goes (the engine, a WebRTC track, a file)."""
 
-    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> None:
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> float | None:
         """Queue float32 mono reply audio for playback; must return quickly and not
-        call back into the loop (it is called with the loop's lock held)."""
+        call back into the loop (it is called with the loop's lock held). Returns when the
+        audio is expected to start playing (time.monotonic), where the sink knows (a playout
+        buffer's lead); None means as soon as the audio queued before it ends."""
         ...
 
     def clear(self) -> None:
@@ -589,10 +591,11 @@ class VoiceLoop:
                 if turn.cancelled.is_set():
                     return False
                 t = now()
-                self.sink.push_audio(pcm, rate)
+                starts = self.sink.push_audio(pcm, rate)
                 turn.trace.mark("tts_first_audio", t)
                 turn.audio_pushed = True
-                plays_from = max(self._playout_until, t)
+                # the sink's estimate counts the frames waiting ahead of this audio (0.3-0.5 s in the engine)
+                plays_from = max(self._playout_until, t) if starts is None else max(starts, t)
                 self._playout_until = plays_from + pcm.shape[0] / rate
                 turn.trace.info["reply_audio_s"] = round(turn.trace.info.get("reply_audio_s", 0.0) + pcm.shape[0] / rate, 3)
                 if not recorded:
