@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 VIDEO_CLOCK = 90000
 QUEUE_FRAMES = 48  # two seconds; a peer further behind than that loses its oldest frames
+PACKET_SAMPLES = SAMPLE_RATE // 50  # 20 ms: one Opus packet per audio frame sent
 
 
 class FrameQueue:
@@ -71,23 +72,36 @@ class PlayoutVideoTrack(MediaStreamTrack):
 
 
 class PlayoutAudioTrack(MediaStreamTrack):
+    """The frames' audio in 20 ms frames. aiortc's sender stamps every Opus packet of one `recv()` with the same
+    RTP timestamp (it expects 20 ms a call), so a video frame's 1/24 s in one call became two or three packets
+    under one timestamp, and the browser discarded all but the first as duplicates."""
+
     kind = "audio"
 
     def __init__(self, fps: int, queue: FrameQueue):
         super().__init__()
         self.fps, self.queue, self.first_index = fps, queue, None
+        self.pending = np.zeros(0, np.float32)  # audio received, not yet sent
+        self.pending_at = 0  # its first sample's timestamp, in samples since the first frame
 
     async def recv(self) -> av.AudioFrame:
         if self.readyState != "live":
             raise MediaStreamError
-        frame: AVFrame = await self.queue.get()
-        if self.first_index is None:
-            self.first_index = frame.index
-        pcm = (np.clip(frame.pcm, -1.0, 1.0) * 32767).astype(np.int16).reshape(1, -1)
+        while self.pending.size < PACKET_SAMPLES:
+            frame: AVFrame = await self.queue.get()
+            if self.first_index is None:
+                self.first_index = frame.index
+            at = frame_sample(frame.index, self.fps) - frame_sample(self.first_index, self.fps)
+            if at != self.pending_at + self.pending.size:  # frames dropped for a peer behind: go on from this one
+                self.pending, self.pending_at = np.zeros(0, np.float32), at
+            self.pending = np.concatenate([self.pending, frame.pcm.astype(np.float32)])
+        chunk, self.pending = self.pending[:PACKET_SAMPLES], self.pending[PACKET_SAMPLES:]
+        pcm = (np.clip(chunk, -1.0, 1.0) * 32767).astype(np.int16).reshape(1, -1)
         out = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
         out.sample_rate = SAMPLE_RATE
-        out.pts = frame_sample(frame.index, self.fps) - frame_sample(self.first_index, self.fps)
+        out.pts = self.pending_at
         out.time_base = fractions.Fraction(1, SAMPLE_RATE)
+        self.pending_at += PACKET_SAMPLES
         return out
 
 

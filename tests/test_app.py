@@ -453,6 +453,38 @@ def test_hls_segments_audio_joins_without_overlap_or_gap(tmp_path):
         assert start == end  # in 1/90000 s
 
 
+def test_the_voice_track_sends_one_opus_packet_per_frame_on_the_frames_clock():
+    """aiortc's sender gives every packet of one recv() the same RTP timestamp, so each audio frame the track sends
+    must be one 20 ms Opus packet; its timestamps follow the video frames' (a gap where a slow peer lost frames)."""
+    import asyncio
+
+    from aiortc.codecs.opus import OpusEncoder
+
+    from app.rtc import PACKET_SAMPLES, FrameQueue, PlayoutAudioTrack
+    from engine.audio import SAMPLE_RATE, frame_sample
+    from engine.realtime import AVFrame
+
+    async def run() -> list:
+        queue = FrameQueue(asyncio.get_running_loop())
+        track = PlayoutAudioTrack(24, queue)
+        indices = [*range(10, 16), *range(40, 64)]  # frames 16-39 lost on the way
+        for i in indices:
+            pcm = np.full(frame_sample(i + 1) - frame_sample(i), 0.1, np.float32)
+            queue._put(AVFrame(i, np.zeros((4, 4, 3), np.uint8), pcm, True))
+        return [await asyncio.wait_for(track.recv(), 10) for _ in range(30)]
+
+    frames = asyncio.run(run())
+    assert all(f.samples == PACKET_SAMPLES and f.sample_rate == SAMPLE_RATE for f in frames)
+    gap_at = frame_sample(40) - frame_sample(10)
+    pts = [f.pts for f in frames]
+    before = [p for p in pts if p < gap_at]
+    assert before == [k * PACKET_SAMPLES for k in range(len(before))]
+    assert 10 <= len(before) < 30 and pts[len(before)] == gap_at and all(b - a == PACKET_SAMPLES for a, b in zip(pts[len(before):], pts[len(before) + 1:]))
+    encoder = OpusEncoder()
+    packets = [len(encoder.encode(f)[0]) for f in frames]
+    assert max(packets) == 1, packets
+
+
 def test_the_page_builds_without_gradio_6_notices(tmp_path):
     """Gradio 5 announces Gradio 6 changes for settings the page relies on (warning whatever their value);
     building the page, for either transport, shows none of them."""

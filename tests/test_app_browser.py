@@ -92,6 +92,15 @@ def test_one_turn_in_the_browser(app):
         assert isinstance(health["av_offset_ms"], (int, float)), f"no sync estimate: {health}"  # engine below real time
         assert abs(health["av_offset_ms"]) <= 125, list(controller.live.av_offsets_ms)
 
+        # The voice arrives whole: packets the browser discards (duplicates of one RTP timestamp) are concealed
+        # as gaps in the speech.
+        audio = page.evaluate("""async () => { let found = null;
+            (await window.talkloop.state.pc.getStats()).forEach((s) => {
+                if (s.type === 'inbound-rtp' && s.kind === 'audio') found = s; });
+            return found && { received: found.packetsReceived, discarded: found.packetsDiscarded }; }""")
+        assert audio and audio["received"] > 100, audio
+        assert audio["discarded"] <= 0.02 * audio["received"], audio
+
         shot = Path(os.environ.get("TALKLOOP_SCREENSHOT", tmp / "app.png"))
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000
