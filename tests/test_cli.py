@@ -125,52 +125,66 @@ def test_generate_across_processes(tmp_path, launcher):
 
 def test_the_paced_step_timing_starts_steps_one_real_time_period_apart(monkeypatch):
     """engine.bench step's second figure: steps started at the cadence a real-time session keeps (a step's frames
-    at the video's frame rate), each timed alone, reset steps apart."""
-    import time
-
+    at the video's frame rate), each timed alone, reset steps apart. On a virtual clock, so that a busy machine's
+    late wake-ups cannot blur the schedule under test."""
     import torch
 
     from engine import bench
     from tests.helpers import started_tiny_session
 
+    class VirtualTime:
+        def __init__(self) -> None:
+            self.now = 100.0
+
+        def perf_counter(self) -> float:
+            return self.now
+
+        def sleep(self, seconds: float) -> None:
+            assert seconds >= 0
+            self.now += seconds
+
+        def strftime(self, fmt: str) -> str:
+            return "2026-01-01"
+
+    clock = VirtualTime()
+    monkeypatch.setattr(bench, "time", clock)
     session, audio = started_tiny_session()
     starts = []
 
-    def step():  # the schedule is under test, not the model: a step that takes a millisecond on any machine
-        time.sleep(0.001)
+    def step():  # the schedule is under test, not the model: a step that takes a millisecond
+        clock.sleep(0.001)
         session.steps_done += 1
 
     def recorded_step():
-        starts.append(time.perf_counter())
+        starts.append(clock.now)
         return step()
 
     monkeypatch.setattr(session, "step", recorded_step)
     out = bench._paced_step_stats(session, audio, 6, torch.device("cpu"))
     period = session.spec.step_seconds
     assert out["realtime_cadence_ms"] == pytest.approx(1000 * period)
-    assert 0 < out["step_ms_at_realtime_cadence"] < 1000 * period  # the tiny model's step takes far less than a period
+    assert out["step_ms_at_realtime_cadence"] == pytest.approx(1.0)
     assert out["realtime_cadence_missed"] == 0
-    paced = starts[1:]  # after the warm-up step; a sleep never ends early, so each start is at or after its slot
+    paced = starts[1:]  # after the warm-up step
     assert len(paced) >= 6
-    assert all(t - paced[0] >= i * period - 1e-3 for i, t in enumerate(paced))
-    assert max(b - a for a, b in zip(paced, paced[1:])) < 1.5 * period
+    assert [t - paced[0] for t in paced] == pytest.approx([i * period for i in range(len(paced))])
 
     # One step (the first timed) outlasts two periods: the next starts when it ends, the miss is counted, and
     # the schedule goes on a period apart from there rather than running steps back to back to catch up
     starts.clear()
 
     def one_slow_step():
-        starts.append(time.perf_counter())
+        starts.append(clock.now)
         if len(starts) == 2:
-            time.sleep(2.5 * period)
+            clock.sleep(2.5 * period)
         return step()
 
     monkeypatch.setattr(session, "step", one_slow_step)
     out = bench._paced_step_stats(session, audio, 5, torch.device("cpu"))
     assert out["realtime_cadence_missed"] == 1
     after = starts[2:]
-    assert after[0] - starts[1] >= 2.5 * period and len(after) >= 4
-    assert all(t - after[0] >= i * period - 5e-3 for i, t in enumerate(after))
+    assert after[0] - starts[1] == pytest.approx(2.5 * period + 0.001) and len(after) >= 4
+    assert [t - after[0] for t in after] == pytest.approx([i * period for i in range(len(after))])
 
 
 def test_step_timing_collects_each_steady_steps_graph_times(monkeypatch):
