@@ -30,8 +30,10 @@ import struct
 import sys
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +42,9 @@ from engine import character as ch
 from engine.audio import SAMPLE_RATE, frame_sample
 from engine.kernels import ATTENTION_KERNELS, GEMM_MODES, apply_gemm_mode_
 from engine.weights import pick_device
+
+if TYPE_CHECKING:
+    from engine.realtime import RealtimeCharacter
 
 MAX_OFFSET = 15  # frames either side (SyncNet searches +-15 at 25 fps)
 _ENV_FLOOR_DB = -60.0
@@ -168,18 +173,34 @@ def engine_frames(spec, pcm: np.ndarray, preset: str, *, weights: str | None = N
     model, codec, trained = load_engine(spec, weights=weights, device=dev, dtype=dtype, seed=seed)
     session = EngineSession(model, cache=cache, kv_dtype=kv_dtype, seed=seed)
     session.start(codec.encode_reference(ch.reference_image(preset, spec.image_size)).to(dev, dtype))
-    character = RealtimeCharacter(session, codec)
-    character.push_audio(pcm, SAMPLE_RATE)
-    n_frames = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
-    steps = math.ceil(n_frames / spec.frames_per_latent)
+    return stream_frames(RealtimeCharacter(session, codec), spec, pcm), trained
 
-    def run():
-        for _ in range(steps):
+
+AUDIO_CHUNK = 2 * SAMPLE_RATE  # samples pushed at a time
+
+
+def stream_frames(character: RealtimeCharacter, spec, pcm: np.ndarray,
+                  close: Callable[[], None] | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """Generator of (first_frame, rgb (4, H, W, 3) uint8) per step for `pcm`, calling `close` at the end.
+
+    The audio goes in a chunk at a time, a second or more ahead of the next frame: the timeline
+    stays short, so a step's feature computation does not scan the rest of a long session.
+    """
+    steps = math.ceil(math.ceil(pcm.size * spec.fps / SAMPLE_RATE) / spec.frames_per_latent)
+    try:
+        made, pushed = 0, 0
+        while made < steps:
+            ahead = frame_sample(character.steps.next_frame + spec.fps, spec.fps)
+            while pushed < min(ahead, pcm.size):
+                character.push_audio(pcm[pushed:pushed + AUDIO_CHUNK], SAMPLE_RATE)
+                pushed += AUDIO_CHUNK
             batch = character.make_step()
             if batch:  # empty only while a look-ahead step is in flight
+                made += 1
                 yield batch[0].index, np.stack([f.rgb for f in batch])
-
-    return run(), trained
+    finally:
+        if close is not None:
+            close()
 
 
 def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
@@ -187,8 +208,8 @@ def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str |
     """Generated frames, the renderer's ceiling and the shuffled-audio floor for one clip."""
     n = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
     env = audio_envelope(pcm, n, spec.fps)
-    t0 = time.perf_counter()
     gen, trained = engine_frames(spec, pcm, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype, seed=seed)
+    t0 = time.perf_counter()  # from the first step, as in long_session_report: loading is not stepping
     frames = np.concatenate([rgb for _, rgb in gen])[:n]
     gen_seconds = time.perf_counter() - t0
     generated = torch.from_numpy(frames)
@@ -539,25 +560,7 @@ def config_frames(config: EngineConfig, spec, pcm: np.ndarray, look: str, *, noi
     """Frames for `pcm` under `config`, streamed: (generator of (first_frame, rgb (4, H, W, 3) uint8), trained)."""
     character, trained, close = open_character(config, spec, look, noise_seed=noise_seed, weights=weights,
                                                weights_seed=weights_seed)
-    steps = math.ceil(math.ceil(pcm.size * spec.fps / SAMPLE_RATE) / spec.frames_per_latent)
-    chunk = 2 * SAMPLE_RATE  # pushed a chunk at a time, a second or more ahead: the timeline stays short in long sessions
-
-    def run():
-        try:
-            made, pushed = 0, 0
-            while made < steps:
-                ahead = frame_sample(character.steps.next_frame + spec.fps, spec.fps)
-                while pushed < min(ahead, pcm.size):
-                    character.push_audio(pcm[pushed:pushed + chunk], SAMPLE_RATE)
-                    pushed += chunk
-                batch = character.make_step()
-                if batch:  # empty only while a look-ahead step is in flight
-                    made += 1
-                    yield batch[0].index, np.stack([f.rgb for f in batch])
-        finally:
-            close()
-
-    return run(), trained
+    return stream_frames(character, spec, pcm, close), trained
 
 
 # Compare: a numerics change against the spread of reruns ------------------------------------
@@ -757,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--audio", required=True, help="any audio file FFmpeg reads")
     ls.add_argument("--preset", default="ada", help=f"one of {', '.join(ch.PRESETS)}")
     ls.add_argument("--weights", help="DiT checkpoint (default: the one shipped for the spec)")
-    ls.add_argument("--device", default="cpu")
+    ls.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     ls.add_argument("--cache", default="ring", choices=CACHES)
     ls.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
     ls.add_argument("--seed", type=int, default=0)
@@ -773,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("--every", type=int, default=6, help="take every n-th frame")
     sh.add_argument("--columns", type=int, default=8)
     sh.add_argument("--weights")
-    sh.add_argument("--device", default="cpu")
+    sh.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     sh.add_argument("--seed", type=int, default=0)
     presets = ", ".join(CONFIG_PRESETS)
     cp = sub.add_parser("compare", help="a numerics change (B) against the spread of reruns of A, over N clips")
@@ -801,6 +804,9 @@ def main(argv: list[str] | None = None) -> int:
     dr.add_argument("--max-level-change", type=float, default=DRIFT_LIMITS["level_change"])
     dr.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if getattr(args, "max_offset", 1) < 1:  # offset 0 leaves one correlation: score and confidence are always 0
+        print(f"error: --max-offset must be at least 1 frame, got {args.max_offset}", file=sys.stderr)
+        return 2
     if args.cmd in ("compare", "drift"):
         try:
             report = _compare_cli(args) if args.cmd == "compare" else _drift_cli(args)
@@ -815,9 +821,10 @@ def main(argv: list[str] | None = None) -> int:
             presets = [x.strip() for x in args.presets.split(",") if x.strip()]
             for name in presets:
                 ch.get_look(name)
+            device = pick_device(args.device)
             pcm = read_audio(args.audio, max_seconds=600)
             info = sheet(spec, pcm, presets, args.out, every=args.every, columns=args.columns, weights=args.weights,
-                         device=args.device, seed=args.seed)
+                         device=str(device), seed=args.seed)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -826,13 +833,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = get_spec(args.spec)
         ch.get_look(args.preset)
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("--device cuda asked for, but no CUDA GPU is visible")
+        device = pick_device(args.device)
         pcm = read_audio(args.audio, max_seconds=args.max_seconds)
         min_seconds = (2 * args.max_offset + 8) / spec.fps
         if pcm.size < min_seconds * SAMPLE_RATE:
             raise ValueError(f"{args.audio} is {pcm.size / SAMPLE_RATE:.2f} s; the metric needs at least {min_seconds:.1f} s")
-        kwargs = dict(weights=args.weights, device=args.device, cache=args.cache, kv_dtype=args.kv_dtype, seed=args.seed,
+        kwargs = dict(weights=args.weights, device=str(device), cache=args.cache, kv_dtype=args.kv_dtype, seed=args.seed,
                       max_offset=args.max_offset)
         if args.minutes:
             progress = (lambda d: print(json.dumps(d), file=sys.stderr, flush=True))

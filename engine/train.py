@@ -15,6 +15,9 @@ invocation early (state saved) so a run can span several time-limited commands:
     python -m engine.train all --device cuda --assets out/assets --session-minutes 9.3            # then
     python -m engine.train all --device cuda --assets out/assets --session-minutes 9.3 --resume   # until done
 
+`all` keeps the codec it trains in --work beside the DiT and puts the two into --assets
+only once the DiT is saved, so --assets never pairs a new codec with an old DiT.
+
 The DiT is trained by teacher forcing with exactly the attention the session runs:
 every clip holds the reference tokens, a *context* copy of each latent frame noised
 at the last pass's level (what the cache holds at inference) and a *target* copy at
@@ -51,7 +54,7 @@ from engine.config import SPECS, ModelSpec, get_spec
 from engine.model import CausalVideoDiT, HeadNorm, apply_head_norm, build_model
 from engine.rope import apply_rope, cos_sin, frame_positions, reference_positions, rope_angles
 from engine.session import noise_levels
-from engine.weights import ASSETS, pick_device, save_checkpoint, sha256_of
+from engine.weights import ASSETS, install_checkpoint, pick_device, remove_checkpoint, save_checkpoint, sha256_of
 
 # Corpus ----------------------------------------------------------------------------------
 WORDS = """the a an and but or so if when then because while after before this that these those it
@@ -215,7 +218,8 @@ def _source_weights(sources: tuple[str, ...]) -> list[float]:
 def save_corpus(path: str | Path, pcm16: np.ndarray, meta: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, pcm=pcm16, meta=np.array(json.dumps(meta)))
+    with open(path, "wb") as f:  # a file object: numpy appends .npz to a bare name, not to this
+        np.savez_compressed(f, pcm=pcm16, meta=np.array(json.dumps(meta)))
 
 
 def load_corpus(path: str | Path) -> tuple[np.ndarray, dict]:
@@ -788,6 +792,19 @@ def train_dit(spec: ModelSpec, tracks: Tracks, codec: TrainedCodec, *, minutes: 
     return ema.module.eval()
 
 
+def install_pair(spec: ModelSpec, work: Path, assets: Path) -> None:
+    """Copy the codec and the DiT trained on it from `work` into `assets`.
+
+    The old DiT goes first: while the codec is replaced, `assets` holds no DiT (it loads as
+    untrained) rather than a new codec beside the old DiT.
+    """
+    dit = assets / f"{spec.name}.pt"
+    remove_checkpoint(dit)
+    install_checkpoint(codec_path(spec, work), codec_path(spec, assets))
+    digest = install_checkpoint(work / f"{spec.name}.pt", dit)
+    log(phase="install", dit=str(dit), codec=str(codec_path(spec, assets)), sha256=digest)
+
+
 # CLI -------------------------------------------------------------------------------------------------
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default="demo", choices=sorted(SPECS))
@@ -820,6 +837,16 @@ def _dit_args(p: argparse.ArgumentParser, minutes: float) -> None:
     p.add_argument("--mouth-weight", type=float, default=3.0, help="extra loss weight on the latent pixels at the mouth")
 
 
+def check_budgets(args: argparse.Namespace) -> None:
+    """Refuse budgets that end a phase before its first step: it would save untrained weights as the result."""
+    for name in ("codec_minutes", "dit_minutes", "session_minutes"):
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:  # `not >` also refuses NaN
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps must be at least 1, got {args.max_steps}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.train", description=__doc__.strip().splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -834,7 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("dit", help="train the DiT on the shipped codec's latents -> <assets>/<spec>.pt")
     _common(d)
     _dit_args(d, 14.0)
-    a = sub.add_parser("all", help="codec, then DiT")
+    a = sub.add_parser("all", help="codec, then DiT, both kept in --work until the DiT is saved, then put in --assets")
     _common(a)
     _codec_args(a, 6.0)
     _dit_args(a, 14.0)
@@ -848,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
             log(phase="corpus", out=args.out, mb=round(Path(args.out).stat().st_size / 1e6, 2),
                 wall_seconds=time.perf_counter() - t0, **meta)
             return 0
+        check_budgets(args)  # before any work: a budget that allows no step would save untrained weights
         deadline = time.perf_counter() + args.session_minutes * 60 if args.session_minutes else None
         spec = get_spec(args.spec)
         device = pick_device(args.device)
@@ -858,7 +886,12 @@ def main(argv: list[str] | None = None) -> int:
             seconds=time.perf_counter() - t0)
         assets, work = Path(args.assets), Path(args.work)
         assets.mkdir(parents=True, exist_ok=True)
-        cpath = codec_path(spec, assets)
+        # `all` keeps the new pair in --work until the DiT is saved: a paused, killed or failed run
+        # never leaves a new codec beside an old DiT in --assets.
+        staged = work if args.cmd == "all" else assets
+        cpath = codec_path(spec, staged)
+        if args.cmd == "all":
+            remove_checkpoint(staged / f"{spec.name}.pt")  # rewritten below; until then none sits beside a new codec
         common = dict(device=device, work=work, seed=args.seed, save_every=args.save_every, resume=args.resume,
                       max_steps=args.max_steps, deadline=deadline)
         if args.cmd in ("codec", "all"):
@@ -867,9 +900,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             codec = load_codec(spec, cpath)
         if args.cmd in ("dit", "all"):
-            train_dit(spec, tracks, codec, minutes=args.dit_minutes, out=assets / f"{spec.name}.pt", batch=args.dit_batch,
+            train_dit(spec, tracks, codec, minutes=args.dit_minutes, out=staged / f"{spec.name}.pt", batch=args.dit_batch,
                       clip=args.clip, lr=args.dit_lr, variants=args.variants, variant_minutes=args.variant_minutes,
                       compile=args.compile, mouth_weight=args.mouth_weight, codec_sha256=sha256_of(cpath), **common)
+        if args.cmd == "all" and staged.resolve() != assets.resolve():
+            install_pair(spec, work, assets)
     except Paused as e:
         log(phase=str(e), event="session_over", resume="run the same command again with --resume")
         return 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -37,14 +39,60 @@ def sha256_of(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def sidecar_of(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _move_into_place(tmp: Path, path: Path) -> str:
+    """Move a fully written `tmp` onto `path` with a new sidecar; returns the digest.
+
+    Order: the old sidecar is removed first, then the weights replaced, then the new sidecar
+    moved in. os.replace is atomic, so a crash at any point leaves whole weights (old or new)
+    beside their own digest or beside none (loaded unchecked), never beside the other's digest.
+    """
+    digest = sha256_of(tmp)
+    sidecar = sidecar_of(path)
+    sidecar_tmp = sidecar.with_name(sidecar.name + ".tmp")
+    sidecar_tmp.write_text(f"{digest}  {path.name}\n")
+    sidecar.unlink(missing_ok=True)
+    os.replace(tmp, path)
+    os.replace(sidecar_tmp, sidecar)
+    return digest
+
+
 def save_checkpoint(module: nn.Module, spec: ModelSpec, path: str | Path) -> str:
-    """Write weights + spec, and `<path>.sha256` beside them; returns the digest."""
+    """Write weights + spec, and `<path>.sha256` beside them, atomically; returns the digest."""
     path = Path(path)
     state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    torch.save({"spec": spec.to_dict(), "state_dict": state}, path)
-    digest = sha256_of(path)
-    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
-    return digest
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"spec": spec.to_dict(), "state_dict": state}, tmp)
+    _fsync(tmp)
+    return _move_into_place(tmp, path)
+
+
+def install_checkpoint(source: str | Path, path: str | Path) -> str:
+    """Copy a checkpoint (checked against its own sidecar first) to `path`, as atomically as save_checkpoint."""
+    source, path = Path(source), Path(path)
+    expected = sidecar_of(source).read_text().split()[0] if sidecar_of(source).is_file() else None
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.copyfile(source, tmp)
+    _fsync(tmp)
+    if expected is not None and sha256_of(tmp) != expected:
+        tmp.unlink()
+        raise ValueError(f"checkpoint {source} fails its sha256 check: not installed to {path}")
+    return _move_into_place(tmp, path)
+
+
+def remove_checkpoint(path: str | Path) -> None:
+    """Delete a checkpoint and its sidecar (sidecar last: a crash between leaves no weights to load)."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    sidecar_of(path).unlink(missing_ok=True)
 
 
 def load_checkpoint(module: nn.Module, spec: ModelSpec, path: str | Path, *, expected_sha256: str | None = None) -> None:
@@ -55,7 +103,7 @@ def load_checkpoint(module: nn.Module, spec: ModelSpec, path: str | Path, *, exp
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"checkpoint not found: {path}")
-    sidecar = path.with_name(path.name + ".sha256")
+    sidecar = sidecar_of(path)
     if expected_sha256 is None and sidecar.is_file():
         expected_sha256 = sidecar.read_text().split()[0]
     if expected_sha256 is not None:
@@ -92,12 +140,14 @@ def default_weights(spec: ModelSpec) -> Path | None:
 
 
 def load_engine(spec: ModelSpec, *, weights: str | Path | None = None, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, seed: int = 0):
+                dtype: torch.dtype = torch.float32, seed: int = 0, stand_in_codec: bool = False):
     """Model + codec for a spec: the given or shipped checkpoint, else random weights.
 
     The trained codec is the checkpoint beside the DiT's, `<name>-codec.pt` (assets/demo.pt ->
-    assets/demo-codec.pt), sha256-verified like it; without one the stand-in codec is used.
-    Returns (model, codec, trained) where `trained` says whether real weights were loaded.
+    assets/demo-codec.pt), sha256-verified like it. A DiT checkpoint without its codec is an
+    error (its pictures would come through a random codec) unless `stand_in_codec` asks for
+    the stand-in one. Returns (model, codec, trained) where `trained` says whether both the
+    DiT and the codec are trained weights.
     """
     from engine.codec import load_codec
     from engine.decoder import StandInCodec
@@ -110,6 +160,10 @@ def load_engine(spec: ModelSpec, *, weights: str | Path | None = None, device: s
     codec_file = (path.with_name(path.stem + "-codec.pt") if path is not None else ASSETS / f"{spec.name}-codec.pt")
     if codec_file.is_file():
         codec = load_codec(spec, codec_file).to(device=device, dtype=dtype)
+    elif path is not None and not stand_in_codec:
+        raise ValueError(f"DiT checkpoint {path} has no codec beside it: expected {codec_file} "
+                         "(the codec trained with it)")
     else:
         codec = StandInCodec(spec, seed=seed).to(device)
-    return model.to(device=device, dtype=dtype).eval(), codec, path is not None
+    trained = path is not None and codec_file.is_file()
+    return model.to(device=device, dtype=dtype).eval(), codec, trained

@@ -2,6 +2,7 @@
 
 import json
 import wave
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -247,7 +248,15 @@ def test_drift_subcommand_gives_a_verdict(tmp_path, speech, capsys):
     report = json.loads(capsys.readouterr().out)
     assert [r["minute"] for r in report["per_minute"]] == [0, 1]
     assert report["position_resets"] == 2 * 360 // 5  # tiny: a reset every 5 steps
-    assert report["drift"]["verdict"] in ("stable", "drifting") and report["drift"]["minutes_compared"] == [0, 1]
+    drift, fl, rows = report["drift"], report["first_vs_last"], report["per_minute"]
+    assert drift["minutes_compared"] == [0, 1] and drift["limits"]["score_drop"] == 0.08  # the CLI's defaults
+    for key in ("score", "brightness", "sharpness", "ref_diff"):
+        assert (fl[key]["first"], fl[key]["last"]) == (rows[0][key], rows[1][key])
+    # The documented rule, from the report's own figures: stable unless the score fell by more than 0.08,
+    # brightness or ref_diff moved by more than 8 levels, or sharpness changed by more than 25%.
+    crossed = [-fl["score"]["change"] > 0.08, abs(fl["brightness"]["change"]) > 8.0, abs(fl["ref_diff"]["change"]) > 8.0,
+               abs(fl["sharpness"]["change"]) / fl["sharpness"]["first"] > 0.25]
+    assert drift["verdict"] == ("drifting" if any(crossed) else "stable") and len(drift["reasons"]) == sum(crossed)
     assert main(["drift", "--spec", "tiny", "--minutes", "0", "--audio", str(wav)]) == 2
     assert "--minutes must be positive" in capsys.readouterr().err
 
@@ -266,13 +275,90 @@ def test_drift_verdict_names_what_moved():
     assert bad["verdict"] == "drifting" and len(bad["reasons"]) == 2 and bad["score_slope_per_minute"] == pytest.approx(-0.2)
 
 
-def test_config_frames_push_audio_in_chunks_yet_match_one_push():
+def _one_push_frames(spec, pcm: np.ndarray, look: str, seed: int) -> np.ndarray:
+    """Frames of a session fed the whole clip in one push (weights and noise both from `seed`)."""
+    from engine.realtime import RealtimeCharacter
+    from engine.session import EngineSession
+    from engine.weights import load_engine
+
+    model, codec, _ = load_engine(spec, seed=seed)
+    session = EngineSession(model, cache="ring", kv_dtype="fp8", seed=seed)
+    session.start(codec.encode_reference(ch.reference_image(look, spec.image_size)))
+    character = RealtimeCharacter(session, codec)
+    character.push_audio(pcm, SAMPLE_RATE)
+    steps = -(-len(pcm) * spec.fps // SAMPLE_RATE) // spec.frames_per_latent
+    return np.concatenate([np.stack([f.rgb for f in character.make_step()]) for _ in range(steps)])
+
+
+def test_frames_push_audio_in_chunks_yet_match_one_push(monkeypatch):
+    """engine_frames (lipsync, its --minutes, sheet) and config_frames (compare, drift) push the audio a
+    chunk at a time, so a step's features never scan a long session's whole timeline; the frames are
+    those of one push."""
     from engine.quality import config_frames, engine_frames, speech_clip
+    from engine.realtime import RealtimeCharacter
 
     spec = get_spec("tiny")
     pcm = speech_clip(3, 7.0, "synth")  # more than the 2 s chunk, so several pushes
+    whole = _one_push_frames(spec, pcm, "ada", seed=0)
+    pushed = []
+    real_push = RealtimeCharacter.push_audio
+
+    def recording_push(self, chunk, sample_rate):
+        pushed.append(len(chunk))
+        return real_push(self, chunk, sample_rate)
+
+    monkeypatch.setattr(RealtimeCharacter, "push_audio", recording_push)
+    gen, _ = engine_frames(spec, pcm, "ada", seed=0)
+    from_engine = np.concatenate([rgb for _, rgb in gen])
+    assert len(pushed) > 1 and max(pushed) <= 2 * SAMPLE_RATE and sum(pushed) == pcm.size
     gen, _ = config_frames(parse_config("fp8-cache"), spec, pcm, "ada", noise_seed=0)
-    chunked = np.concatenate([rgb for _, rgb in gen])
-    gen, _ = engine_frames(spec, pcm, "ada", seed=0)  # one push, weights and noise both from seed 0
-    whole = np.concatenate([rgb for _, rgb in gen])
-    assert chunked.shape == whole.shape == (168, 32, 32, 3) and np.array_equal(chunked, whole)
+    from_config = np.concatenate([rgb for _, rgb in gen])
+    assert whole.shape == (168, 32, 32, 3)
+    assert np.array_equal(from_engine, whole) and np.array_equal(from_config, whole)
+
+
+def test_lipsync_steps_per_second_counts_stepping_only(speech, monkeypatch):
+    """Loading the engine is not stepping: a load that takes 1000 s leaves the rate unchanged."""
+    import engine.weights
+    from engine import quality
+
+    offset = [0.0]
+    real_clock, real_load = quality.time.perf_counter, engine.weights.load_engine
+
+    def slow_load(*args, **kwargs):
+        offset[0] += 1000.0
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(quality, "time", SimpleNamespace(perf_counter=lambda: real_clock() + offset[0]))
+    monkeypatch.setattr(engine.weights, "load_engine", slow_load)
+    report = quality.lipsync_report(get_spec("tiny"), speech[: 3 * SAMPLE_RATE], max_offset=8)
+    assert offset[0] == 1000.0 and report["steps_per_second"] > 18 / 100  # 18 steps, well under 100 s
+
+
+@pytest.mark.parametrize("argv", [
+    ["lipsync", "--spec", "tiny", "--audio", "WAV"],
+    ["lipsync", "--spec", "tiny", "--audio", "WAV", "--minutes", "0.1"],
+    ["compare", "--spec", "tiny", "--a", "reference", "--b", "ring-fp32", "--clips", "2", "--clip-seconds", "2"],
+    ["drift", "--spec", "tiny", "--minutes", "0.1", "--audio", "WAV"],
+])
+@pytest.mark.parametrize("offset", ["0", "-3"])
+def test_max_offset_below_one_is_refused(tmp_path, speech, capsys, argv, offset):
+    """0 leaves one correlation (score and confidence always 0); below 0 nothing to search."""
+    wav = tmp_path / "x.wav"
+    _write_wav(wav, speech[: 3 * SAMPLE_RATE])
+    argv = [str(wav) if a == "WAV" else a for a in argv]
+    assert main([*argv, "--max-offset", offset]) == 2
+    assert f"--max-offset must be at least 1 frame, got {offset}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, message", [("gpu", "unknown device 'gpu'"), ("cuda:99", "--device cuda:99")])
+@pytest.mark.parametrize("command", ["lipsync", "sheet"])
+def test_bad_devices_are_named(tmp_path, speech, capsys, command, device, message):
+    wav = tmp_path / "x.wav"
+    _write_wav(wav, speech[: 3 * SAMPLE_RATE])
+    argv = ["--spec", "tiny", "--audio", str(wav), "--device", device]
+    if command == "sheet":
+        argv += ["--out", str(tmp_path / "sheet.png")]
+    assert main([command, *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "sheet.png").exists()

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from engine import train
 from engine.cache import ReferenceKVCache, RingKVCache
-from engine.codec import load_codec
+from engine.codec import build_codec, load_codec, save_codec
 from engine.model import build_model
 from engine.session import EngineSession
 from engine.train import (
+    Paused,
     TeacherForcingAttention,
     dit_loss,
     load_corpus,
@@ -19,7 +21,7 @@ from engine.train import (
     save_corpus,
     teacher_forcing_forward,
 )
-from engine.weights import load_engine
+from engine.weights import load_engine, save_checkpoint
 from tests.helpers import TINY
 
 
@@ -163,3 +165,61 @@ def test_cli_trains_the_tiny_spec_end_to_end(tmp_path, capsys):
     assert '"event": "resumed"' in out and '"cached": true' in out
     load_codec(TINY, assets / "tiny-codec.pt")
     assert main(["codec", "--spec", "tiny", "--corpus", str(tmp_path / "nope.npz")]) == 2
+
+
+def test_corpus_is_written_to_the_exact_path_given(tmp_path, capsys):
+    out = tmp_path / "speech"  # no .npz: numpy would add one to a bare name
+    assert main(["corpus", "--out", str(out), "--minutes", "0.05", "--source", "synth"]) == 0
+    assert out.is_file() and not (tmp_path / "speech.npz").exists()
+    pcm, meta = load_corpus(out)
+    assert pcm.size == 3 * 16000 and meta["seed"] == 0
+    assert '"mb"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--codec-minutes", "0", "--codec-minutes must be positive, got 0"),
+    ("--dit-minutes", "-1", "--dit-minutes must be positive, got -1"),
+    ("--dit-minutes", "nan", "--dit-minutes must be positive, got nan"),
+    ("--session-minutes", "0", "--session-minutes must be positive, got 0"),
+    ("--max-steps", "0", "--max-steps must be at least 1, got 0"),
+])
+def test_budgets_that_allow_no_step_are_refused(tmp_path, capsys, flag, value, message):
+    """They would end the phase at once and save freshly initialised weights as the result."""
+    assets = tmp_path / "assets"
+    argv = ["all", "--spec", "tiny", "--corpus", str(tmp_path / "speech.npz"), "--device", "cpu",
+            "--assets", str(assets), "--work", str(tmp_path / "work"), flag, value]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err  # named before the corpus is even looked for
+    assert not assets.exists()
+
+
+def test_all_puts_its_codec_in_assets_only_with_its_dit(tmp_path, capsys, monkeypatch):
+    """Until the DiT trained on the new codec is saved, --assets keeps its old pair untouched."""
+    corpus = tmp_path / "speech.npz"
+    assert main(["corpus", "--out", str(corpus), "--minutes", "0.25", "--source", "synth"]) == 0
+    assets, work = tmp_path / "assets", tmp_path / "work"
+    assets.mkdir()
+    save_checkpoint(build_model(TINY, seed=9), TINY, assets / "tiny.pt")  # the pair from an earlier run
+    save_codec(build_codec(TINY, seed=9), assets / "tiny-codec.pt")
+    old = {p.name: p.read_bytes() for p in assets.iterdir()}
+    argv = ["all", "--spec", "tiny", "--corpus", str(corpus), "--device", "cpu", "--assets", str(assets),
+            "--work", str(work), "--max-steps", "2", "--codec-batch", "4", "--dit-batch", "2", "--clip", "4",
+            "--variants", "2", "--variant-minutes", "0.1", "--compile", "off"]
+
+    def out_of_time(*args, **kwargs):  # the DiT phase pauses (or is killed) after the codec phase ended
+        raise Paused("dit")
+
+    real_train_dit = train.train_dit
+    monkeypatch.setattr(train, "train_dit", out_of_time)
+    assert main(argv) == 0
+    assert {p.name: p.read_bytes() for p in assets.iterdir()} == old
+    assert (work / "tiny-codec.pt").is_file() and (work / "tiny-codec.pt.sha256").is_file()
+    monkeypatch.setattr(train, "train_dit", real_train_dit)
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert '"event": "already_trained"' in out  # the resumed run found the codec it trained in --work
+    for name in ("tiny.pt", "tiny-codec.pt"):
+        assert (assets / name).read_bytes() == (work / name).read_bytes() != old[name]
+    _, codec, trained = load_engine(TINY, weights=assets / "tiny.pt")
+    assert trained and type(codec).__name__ == "TrainedCodec"

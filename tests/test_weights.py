@@ -1,11 +1,15 @@
-"""Checkpoints: round trip, sha256 verification, spec mismatch."""
+"""Checkpoints: round trip, sha256 verification, spec mismatch, crash-safe writes, DiT and codec pairs."""
+
+import os
 
 import pytest
 import torch
 
+from engine import weights
+from engine.codec import build_codec, save_codec
 from engine.config import get_spec
 from engine.model import build_model
-from engine.weights import load_checkpoint, save_checkpoint
+from engine.weights import load_checkpoint, load_engine, save_checkpoint
 from tests.helpers import TINY
 
 
@@ -46,3 +50,55 @@ def test_param_counts():
     big = get_spec("characters-57b")
     n = big.param_count()
     assert 45e9 < n < 60e9
+
+
+def _same_weights(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def _crash_on(calls: int, real):
+    """A stand-in for `real` that raises on its call number `calls` (0-based), as a kill there would stop it."""
+    count, writes = [0], real is torch.save
+
+    def wrapper(*args, **kwargs):
+        count[0] += 1
+        if count[0] - 1 == calls:
+            if writes:  # a kill mid-write leaves half a file
+                real(*args, **kwargs)
+                with open(args[1], "r+b") as f:
+                    f.truncate(os.path.getsize(args[1]) // 2)
+            raise KeyboardInterrupt("killed")
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("target, calls", [(torch.save, 0), (os.replace, 0), (os.replace, 1)])
+def test_a_save_killed_at_any_point_leaves_loadable_weights(tmp_path, monkeypatch, target, calls):
+    """Old or new weights, whole and never beside the other's digest: the next load succeeds."""
+    path = tmp_path / "m.pt"
+    old, new = build_model(TINY, seed=1), build_model(TINY, seed=2)
+    save_checkpoint(old, TINY, path)
+    holder, name = (weights.torch, "save") if target is torch.save else (weights.os, "replace")
+    monkeypatch.setattr(holder, name, _crash_on(calls, target))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(new, TINY, path)
+    monkeypatch.undo()
+    loaded = build_model(TINY, seed=3)
+    load_checkpoint(loaded, TINY, path)
+    assert _same_weights(loaded, old) or _same_weights(loaded, new)
+    save_checkpoint(new, TINY, path)  # the next save completes the pair
+    load_checkpoint(loaded, TINY, path)
+    assert _same_weights(loaded, new) and (tmp_path / "m.pt.sha256").is_file()
+
+
+def test_a_dit_checkpoint_without_its_codec_is_refused(tmp_path):
+    dit = tmp_path / "demo-dit-latest.pt"
+    save_checkpoint(build_model(TINY, seed=1), TINY, dit)
+    with pytest.raises(ValueError, match="expected .*demo-dit-latest-codec.pt"):
+        load_engine(TINY, weights=dit)
+    _, codec, trained = load_engine(TINY, weights=dit, stand_in_codec=True)  # asked for: not reported as trained
+    assert type(codec).__name__ == "StandInCodec" and trained is False
+    save_codec(build_codec(TINY), tmp_path / "demo-dit-latest-codec.pt")
+    _, codec, trained = load_engine(TINY, weights=dit)
+    assert type(codec).__name__ == "TrainedCodec" and trained is True
