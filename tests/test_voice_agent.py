@@ -69,6 +69,9 @@ class FakeChatServer:
         self.status = 200
         self.delay_s = 0.0
         self.error_event = False
+        self.header_delay_s = 0.0  # a server that takes the request and then says nothing
+        self.send_done = True
+        self.raw_reply: tuple[str, bytes] | None = None  # (Content-Type, body) sent as is instead of the events
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -84,7 +87,15 @@ class FakeChatServer:
                     self.end_headers()
                     self.wfile.write(b'{"error": "model not loaded"}')
                     return
+                time.sleep(server.header_delay_s)
                 self.send_response(200)
+                if server.raw_reply is not None:
+                    content_type, raw = server.raw_reply
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                    return
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
                 events = [{"choices": [{"delta": {"role": "assistant"}}]}]
@@ -97,7 +108,8 @@ class FakeChatServer:
                         self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
                         self.wfile.flush()
                         time.sleep(server.delay_s)
-                    self.wfile.write(b"data: [DONE]\n\n")
+                    if server.send_done:
+                        self.wfile.write(b"data: [DONE]\n\n")
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client walked away (barge-in)
 
@@ -169,3 +181,68 @@ def test_client_errors_are_clear(server):
     server.close()
     with pytest.raises(ConnectionError, match="unreachable"):
         list(OpenAIChatAgent(base_url=f"http://127.0.0.1:{port}/v1", api_key="", timeout_s=2).stream_reply("Hi"))
+
+
+def test_system_prompt_braces_other_than_name_are_kept(server):
+    prompt = 'You are {name}. Never write JSON such as {"say": "hi"} or {0}.'
+    agent = OpenAIChatAgent(base_url=server.url, system_prompt=prompt, name="Ada", api_key="")
+    assert agent.system_prompt == 'You are Ada. Never write JSON such as {"say": "hi"} or {0}.'
+
+
+def _sse(*lines: str) -> tuple[str, bytes]:
+    return "text/event-stream", "".join(line + "\n\n" for line in lines).encode()
+
+
+HELLO_EVENT = 'data: {"choices": [{"delta": {"content": "Hello"}}]}'
+
+
+@pytest.mark.parametrize("reply, message", [
+    # llama.cpp reports a failure inside the stream with an `error:` line
+    (_sse(HELLO_EVENT, 'error: {"code": 400, "message": "request (4476 tokens) exceeds the available context size"}'),
+     "error: request \\(4476 tokens\\) exceeds the available context size"),
+    (_sse(HELLO_EVENT), "ended the stream before \\[DONE\\]"),  # connection cut mid-reply
+    (_sse('data: "hi"', "data: [DONE]"), "not a JSON object"),
+    (_sse('data: {"choices": "none"}', "data: [DONE]"), "malformed choices"),
+    (("text/html", b"<html><body>Welcome to the proxy login page</body></html>"), "Content-Type text/html, not an event stream"),
+    (("application/json", b'{"object": "list", "data": []}'), "not a chat completion"),
+    (("application/json", b'{"error": {"message": "model not loaded"}}'), "model not loaded"),
+])
+def test_a_failed_or_unreadable_reply_is_an_error_naming_the_endpoint(server, reply, message):
+    server.raw_reply = reply
+    agent = OpenAIChatAgent(base_url=server.url, api_key="")
+    with pytest.raises(RuntimeError, match=message) as caught:
+        list(agent.stream_reply("Hi"))
+    assert agent.url in str(caught.value)
+
+
+def test_a_whole_json_completion_is_taken_as_the_reply(server):
+    """A server that ignores "stream": true answers with one chat completion."""
+    completion = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "<think>Greet.</think>Hi there!"}}]}
+    server.raw_reply = ("application/json", json.dumps(completion).encode())
+    assert "".join(OpenAIChatAgent(base_url=server.url, api_key="").stream_reply("Hi")) == "Hi there!"
+
+
+def test_a_silent_server_is_reported_as_silent_not_unreachable(server):
+    server.header_delay_s = 1.5
+    agent = OpenAIChatAgent(base_url=server.url, api_key="", timeout_s=0.3)
+    with pytest.raises(TimeoutError, match=f"chat endpoint {agent.url} gave no data for 0.3 s"):
+        list(agent.stream_reply("Hi"))
+    server.header_delay_s = 0.0
+    server.delay_s = 1.5  # stalls after its first event
+    with pytest.raises(TimeoutError, match=f"chat endpoint {agent.url} gave no data for 0.3 s"):
+        list(agent.stream_reply("Hi"))
+    with pytest.raises(ValueError, match="timeout_s"):
+        OpenAIChatAgent(timeout_s=0)
+
+
+def test_reasoning_from_a_template_that_opened_think_is_not_said(server):
+    reasoning = ["The user greets", " me, so I gre", "et back.</th", "ink>Hello", " there!"]
+    # Without the option the template's open tag is unseen: nothing marks the reasoning.
+    assert "".join(without_thinking(reasoning)) == "The user greets me, so I greet back.</think>Hello there!"
+    assert "".join(without_thinking(reasoning, opened=True)) == "Hello there!"
+    server.deltas = reasoning
+    agent = OpenAIChatAgent(base_url=server.url, api_key="", think_opened=True)
+    assert "".join(agent.stream_reply("Hi!")) == "Hello there!"
+    # A model that opens its own blocks, or uses none, is said as usual; a tag mentioned later stays.
+    assert "".join(without_thinking(["Sure. <think>hmm</think>Yes, ", "</think> is a tag."], opened=True)) == "Sure. Yes, </think> is a tag."
+    assert "".join(without_thinking(["Just ", "an answer."], opened=True)) == "Just an answer."

@@ -52,6 +52,32 @@ def test_models_are_loaded_once(asr):
 def test_user_model_override_must_exist(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         WhisperASR(model=str(tmp_path / "missing-model"))
+    # A hub repository id is not looked up: the message says how a cached model is named.
+    with pytest.raises(ValueError, match="not found: Systran/faster-whisper-tiny.en .*named by its size, such as tiny.en"):
+        WhisperASR(model="Systran/faster-whisper-tiny.en")
+
+
+def test_model_directory_without_its_tokenizer_is_refused_before_any_hub_lookup(tmp_path, monkeypatch):
+    """faster-whisper fills a missing tokenizer.json from the hub (openai/whisper-*)."""
+    import faster_whisper.transcribe
+    import tokenizers
+
+    class NoHubTokenizer:
+        from_file = staticmethod(tokenizers.Tokenizer.from_file)
+        from_buffer = staticmethod(tokenizers.Tokenizer.from_buffer)
+
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise AssertionError(f"tokenizer fetched from the hub: {args}")
+
+    monkeypatch.setattr(faster_whisper.transcribe, "tokenizers", type("NoHub", (), {"Tokenizer": NoHubTokenizer}))
+    model = tmp_path / "whisper-tiny-ct2"
+    model.mkdir()
+    for part in default_model_path().iterdir():
+        if part.name != "tokenizer.json":
+            (model / part.name).symlink_to(part)
+    with pytest.raises(ValueError, match=f"ASR model directory {model} has no tokenizer.json"):
+        WhisperASR(model=str(model), device="cpu")
 
 
 def test_device_choice():

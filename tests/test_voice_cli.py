@@ -1,14 +1,17 @@
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from voice.audio import SAMPLE_RATE, read_wav, resample, write_wav
+from voice.options import add_loop_args, build_agent
 from voice.samples import sample_speech, with_silence
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +83,7 @@ def make_hours_wav(path: Path) -> Path:
     declared = 2 * 3600 * 16000 * 2
     fmt = struct.pack("<HHIIHH", 1, 1, 16000, 32000, 2, 16)
     path.write_bytes(b"RIFF" + struct.pack("<I", 36 + declared) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + b"data" + struct.pack("<I", declared) + b"\0" * 3200)
+    os.truncate(path, 44 + declared)  # the two hours are there (a sparse file: no disk behind them)
     return path
 
 
@@ -114,3 +118,138 @@ def test_bench_reports_stage_latencies(tmp_path):
         assert report["stages_s"][stage]["n"] == 1
         assert report["stages_s"][stage]["median"] == report["stages_s"][stage]["p95"] >= 0
     assert report["target"]["limit_s"] == 1.0 and isinstance(report["target"]["met"], bool)
+
+
+def loop_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="voice-test")
+    add_loop_args(parser)
+    return parser
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--threshold", "50"], "argument --threshold: must be a probability between 0 and 1"),
+    (["--threshold", "0"], "argument --threshold"),
+    (["--sample-rate", "0"], "argument --sample-rate: must be a sample rate in Hz > 0"),
+    (["--sample-rate", "-48000"], "argument --sample-rate"),
+    (["--min-silence-ms", "-1"], "argument --min-silence-ms: must be a whole number of milliseconds >= 0"),
+    (["--speech-pad-ms", "-5"], "argument --speech-pad-ms"),
+    (["--chat-timeout", "0"], "argument --chat-timeout: must be a finite number of seconds > 0"),
+])
+def test_loop_options_that_could_never_work_are_refused_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        loop_parser().parse_args(flags)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_chat_options_reach_the_agent():
+    args = loop_parser().parse_args(["--agent", "openai", "--chat-timeout", "4.5", "--think-opened", "--name", "Ada",
+                                     "--system-prompt", 'I am {name}; answer {"like": "this"}'])
+    agent = build_agent(args)
+    assert (agent.timeout_s, agent.think_opened) == (4.5, True)
+    assert agent.system_prompt == 'I am Ada; answer {"like": "this"}'
+    assert loop_parser().parse_args([]).chat_timeout == 30.0
+
+
+class ScriptedTurn:
+    def __init__(self, user_text: str, e2e_s: float) -> None:
+        self.info = {"user_text": user_text, "reply_text": "Sure.", "status": "completed"}
+        self.written = True
+        self._durations = {"stt": 0.1, "e2e_latency": e2e_s}
+
+    def durations(self) -> dict[str, float]:
+        return self._durations
+
+
+class ScriptedLoop:
+    """Stands in for the VoiceLoop in voice.bench: each question fed is heard as the next scripted turn (None: not
+    heard at all)."""
+
+    def __init__(self, turns: list[ScriptedTurn | None]) -> None:
+        self.script = iter(turns)
+        self.trace = SimpleNamespace(turns=[])
+        self.is_speaking = False
+        self.asr = SimpleNamespace(device="cpu", compute_type="int8", warm_up=lambda: None)
+        self.tts = SimpleNamespace(warm_up=lambda: None)
+        self.config = SimpleNamespace(partial_interval_s=0.25)
+        self.closed = False
+
+    def feed(self, audio: np.ndarray, clock: float | None) -> float:
+        if np.any(audio):  # a question, not the silence after it
+            turn = next(self.script)
+            if turn is not None:
+                self.trace.turns.append(turn)
+        return (clock or 0.0) + audio.size / SAMPLE_RATE
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def run_bench_main(monkeypatch, capsys, loop: ScriptedLoop, *flags: str) -> tuple[int, dict]:
+    import voice.bench
+
+    monkeypatch.setattr(voice.bench, "piper_speech", lambda text: np.full(1600, 0.1, np.float32))
+    monkeypatch.setattr(voice.bench, "build_loop", lambda args, sink: loop)
+    monkeypatch.setattr(voice.bench, "feed_audio", lambda loop, audio, real_time, clock=None: loop.feed(audio, clock))
+    code = voice.bench.main(["--json", "--turn-timeout", "1", *flags])
+
+    def no_nan(name: str):
+        raise AssertionError(f"{name} is not JSON")
+
+    return code, json.loads(capsys.readouterr().out, parse_constant=no_nan)
+
+
+def test_bench_counts_an_unheard_question_against_wer_and_target(monkeypatch, capsys):
+    loop = ScriptedLoop([ScriptedTurn("Hello, how are you doing today?", 0.4), None])
+    code, report = run_bench_main(monkeypatch, capsys, loop, "--utterances", "2")
+    assert code == 0 and loop.closed
+    assert (report["answered"], report["questions"]) == (1, 2)
+    assert report["mean_wer"] == 0.5  # the heard question's 0.0 and the unheard one's 1.0
+    assert report["target"]["median_s"] == 0.4 and report["target"]["every_question_answered"] is False
+    assert report["target"]["met"] is False
+
+
+def test_bench_with_nothing_heard_still_writes_valid_json(monkeypatch, capsys):
+    code, report = run_bench_main(monkeypatch, capsys, ScriptedLoop([None, None, None]), "--utterances", "3")
+    assert code == 0
+    assert report["mean_wer"] == 1.0 and report["answered"] == 0
+    assert report["stages_s"]["e2e_latency"] == {"n": 0} and report["target"]["met"] is False
+
+
+def test_bench_failures_exit_2_with_the_message_and_ctrl_c_exits_130(monkeypatch, capsys, tmp_path):
+    import voice.bench
+    import voice.samples
+
+    missing = tmp_path / "missing.onnx"
+    assert voice.bench.main(["--utterances", "1", "--voice", str(missing)]) == 2
+    assert f"error: ValueError: piper voice not found: {missing}" in capsys.readouterr().err
+    monkeypatch.setattr(voice.samples, "espeak_available", lambda: False)
+    assert voice.bench.main(["--utterances", "1", "--speech", "espeak", "--json"]) == 2
+    assert "espeak-ng is not installed" in json.loads(capsys.readouterr().out)["error"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    loop = ScriptedLoop([None])
+    monkeypatch.setattr(voice.bench, "piper_speech", lambda text: np.full(1600, 0.1, np.float32))
+    monkeypatch.setattr(voice.bench, "build_loop", lambda args, sink: loop)
+    monkeypatch.setattr(voice.bench, "feed_audio", interrupted)
+    try:
+        assert voice.bench.main(["--utterances", "1"]) == 130
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped voice.bench.main")
+    assert loop.closed and "error: interrupted" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_a_wav_turn_with_status_130(monkeypatch, capsys, tmp_path):
+    import voice.__main__
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(voice.__main__, "run_wav_turn", interrupted)
+    try:
+        assert voice.__main__.main(["--wav", str(tmp_path / "q.wav"), "--json"]) == 130
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped voice.__main__.main")
+    assert json.loads(capsys.readouterr().out) == {"error": "interrupted"}

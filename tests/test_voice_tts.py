@@ -82,6 +82,23 @@ def test_text_with_no_punctuation_is_cut_after_max_words():
     ("Tom &amp; Jerry", "Tom & Jerry"),
     ("See [the docs](https://example.com/docs).", "See the docs."),
     ("It costs $5, 3 + 4 = 7.", "It costs $5, 3 + 4 = 7."),
+    ("Keycap 1\ufe0f\u20e3 and \U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f done", "Keycap 1 and done"),
+    ("Read \u25b6\ufe0f then \u2b50 and \u23f0.", "Read then and ."),
 ])
 def test_emoji_tags_and_entities_are_not_read_aloud(text, said):
     assert clean_for_speech(text) == said
+
+
+@pytest.mark.parametrize("text", [
+    "It is 25°C outside.",  # Piper says "degrees"
+    "Acme™ and Widgets© are brands.",
+    "Room № 5 costs 20 €.",
+    "If x < y and y > z, then x < z.",  # comparisons, not tags
+    "A -> B means B follows A.",
+])
+def test_symbols_that_are_words_are_kept(text):
+    assert clean_for_speech(text) == text
+
+
+def test_a_markdown_quote_mark_is_not_read_aloud():
+    assert clean_for_speech("> To be or not to be.\n> That is the question.") == "To be or not to be. That is the question."

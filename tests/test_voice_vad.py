@@ -77,3 +77,16 @@ def test_long_speech_is_cut_at_max_speech_s(hello):
     starts = [e for e in events if e.kind == "start"]
     for start, end in zip(starts, ends):
         assert end.end - start.start <= (2.0 + 0.2 + 0.1) * SR
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"threshold": 50}, "threshold must be between 0 and 1, got 50"),  # a percentage typed by mistake
+    ({"threshold": 0.0}, "threshold must be between 0 and 1"),
+    ({"neg_threshold": 1.5}, "neg_threshold must be between 0 and 1"),
+    ({"min_silence_ms": -1}, "min_silence_ms must be >= 0"),
+    ({"speech_pad_ms": -200}, "speech_pad_ms must be >= 0"),
+    ({"max_speech_s": 0}, "max_speech_s must be > 0"),
+])
+def test_settings_that_could_never_work_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        VADConfig(**settings)

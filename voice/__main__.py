@@ -21,7 +21,7 @@ import numpy as np
 
 from .audio import SAMPLE_RATE, load_wav_16k, write_wav
 from .loop import RecordingSink, feed_audio
-from .options import add_loop_args, build_loop
+from .options import EXIT_INTERRUPTED, add_loop_args, build_loop, report_failure
 
 
 class NoSpeechError(ValueError):
@@ -84,12 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = run_wav_turn(args)
+    except KeyboardInterrupt:
+        return report_failure("interrupted", args.json, EXIT_INTERRUPTED)
     except (ValueError, OSError, RuntimeError) as err:
-        message = f"{type(err).__name__}: {err}"
-        if args.json:
-            print(json.dumps({"error": message}))
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return report_failure(f"{type(err).__name__}: {err}", args.json)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -20,6 +20,7 @@ import re
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from http.client import HTTPResponse
 from typing import Protocol, runtime_checkable
 
 DEFAULT_NAME = "Joe"
@@ -147,6 +148,9 @@ class OpenAIChatAgent:
     Sends the system prompt, the last `max_history_turns` exchanges and the new
     user text. Uses the standard library only; `api_key` defaults to the
     OPENAI_API_KEY environment variable and may be empty for local servers.
+    `timeout_s` bounds each wait for data from the server; a failure the server
+    reports, or a reply cut off before [DONE], raises rather than passing for a
+    short reply.
     """
 
     def __init__(
@@ -160,15 +164,21 @@ class OpenAIChatAgent:
         max_tokens: int = 200,
         timeout_s: float = 30.0,
         max_history_turns: int = 8,
+        think_opened: bool = False,
     ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
-        self.system_prompt = (system_prompt or DEFAULT_SYSTEM_PROMPT).format(name=name)
+        # Only {name} is filled in: a prompt may hold other braces (JSON examples, code).
+        self.system_prompt = (system_prompt or DEFAULT_SYSTEM_PROMPT).replace("{name}", name)
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
         self.max_history_turns = max_history_turns
+        # The model's chat template opens <think> itself, so replies start with reasoning closed by </think>.
+        self.think_opened = think_opened
 
     def messages(self, user_text: str, history: Sequence[Exchange] = ()) -> list[dict[str, str]]:
         out = [{"role": "system", "content": self.system_prompt}]
@@ -195,22 +205,49 @@ class OpenAIChatAgent:
         except urllib.error.HTTPError as err:
             detail = err.read(300).decode("utf-8", "replace")
             raise RuntimeError(f"chat endpoint {self.url} answered HTTP {err.code}: {detail}") from err
+        except TimeoutError as err:
+            # Connected and sent the request, but no answer came (a URLError wraps a connect timeout instead).
+            raise self._stalled() from err
         except (urllib.error.URLError, OSError) as err:
             raise ConnectionError(f"chat endpoint {self.url} unreachable: {err}") from err
         try:
-            yield from without_thinking(_sse_contents(response))
+            yield from without_thinking(self._contents(response), opened=self.think_opened)
+        except TimeoutError as err:
+            raise self._stalled() from err
         finally:
             # Also runs when the caller abandons the reply (barge-in): the server sees
             # the connection close and can stop generating.
             response.close()
 
+    def _stalled(self) -> TimeoutError:
+        return TimeoutError(f"chat endpoint {self.url} gave no data for {self.timeout_s:g} s")
+
+    def _contents(self, response: HTTPResponse) -> Iterator[str]:
+        """The reply text of a response: an event stream, or a whole completion from a server that ignores "stream"."""
+        kind = response.headers.get_content_type()
+        if kind == "text/event-stream":
+            return _sse_contents(response, self.url)
+        if kind == "application/json":
+            return iter(_completion_content(response.read(_MAX_JSON_BYTES), self.url))
+        start = response.read(120).decode("utf-8", "replace")
+        raise RuntimeError(f"chat endpoint {self.url} answered with Content-Type {kind}, not an event stream: {start!r}")
+
+
+_MAX_JSON_BYTES = 1 << 20  # a whole chat completion is a few kB
+
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def without_thinking(chunks: Iterable[str]) -> Iterator[str]:
+def without_thinking(chunks: Iterable[str], opened: bool = False) -> Iterator[str]:
     """A text stream with reasoning models' <think>...</think> blocks left out (they are not for saying), the
-    tags found across chunk boundaries too."""
+    tags found across chunk boundaries too.
+
+    opened: the chat template already opened <think>, so the reply starts with reasoning closed by a lone </think>.
+    Text is then held back until that </think> (and dropped with it), or until a <think> shows the model opens its
+    own blocks; a stream with neither tag is said in full at its end."""
+    if opened:
+        chunks = _after_leading_close(chunks)
     buffer, inside = "", False
     for chunk in chunks:
         buffer += chunk
@@ -236,22 +273,89 @@ def without_thinking(chunks: Iterable[str]) -> Iterator[str]:
         yield buffer
 
 
-def _sse_contents(lines: Iterator[bytes]) -> Iterator[str]:
-    """Text deltas of a chat-completions event stream, until [DONE]."""
+def _after_leading_close(chunks: Iterable[str]) -> Iterator[str]:
+    """The stream without everything up to a </think> that comes before any <think>."""
+    stream = iter(chunks)
+    held = ""
+    for chunk in stream:
+        held += chunk
+        close, open_ = held.find(THINK_CLOSE), held.find(THINK_OPEN)
+        if close >= 0 and (open_ < 0 or close < open_):
+            held = held[close + len(THINK_CLOSE):]
+            break
+        if open_ >= 0:
+            break
+    if held:
+        yield held
+    yield from stream
+
+
+def _error_message(error: object) -> str:
+    """The message of an error report: {"error": {"message": ...}}, the inner object alone, or plain text."""
+    inner = error.get("error", error) if isinstance(error, dict) else error
+    if isinstance(inner, dict):
+        return str(inner.get("message") or json.dumps(inner))
+    return str(inner)
+
+
+def _json_object(payload: str, url: str) -> dict:
+    try:
+        event = json.loads(payload)
+    except json.JSONDecodeError as err:
+        raise RuntimeError(f"malformed JSON from chat endpoint {url}: {payload[:120]!r}") from err
+    if not isinstance(event, dict):
+        raise RuntimeError(f"chat endpoint {url} sent an event that is not a JSON object: {payload[:120]!r}")
+    return event
+
+
+def _choices(event: dict, url: str) -> list[dict]:
+    choices = event.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise RuntimeError(f"chat endpoint {url} sent malformed choices: {json.dumps(event)[:120]!r}")
+    return choices
+
+
+def _sse_contents(lines: Iterable[bytes], url: str) -> Iterator[str]:
+    """Text deltas of a chat-completions event stream, until [DONE].
+
+    An error reported in the stream (llama.cpp sends an `error:` line, e.g. when the prompt is over the context
+    size) and a stream that ends before [DONE] raise RuntimeError: the reply is missing or cut short."""
     for raw in lines:
         line = raw.decode("utf-8", "replace").strip()
-        if not line.startswith("data:"):
+        field, _, value = line.partition(":")
+        if field == "error":
+            raise RuntimeError(f"chat endpoint {url} error: {_error_message(_json_or_text(value.strip()))}")
+        if field != "data":
             continue  # blank separators, comments, event names
-        payload = line[5:].strip()
+        payload = value.strip()
         if payload == "[DONE]":
             return
-        try:
-            event = json.loads(payload)
-        except json.JSONDecodeError as err:
-            raise RuntimeError(f"malformed event from chat endpoint: {payload[:120]!r}") from err
+        event = _json_object(payload, url)
         if "error" in event:
-            raise RuntimeError(f"chat endpoint error: {event['error']}")
-        for choice in event.get("choices", []):
-            content = (choice.get("delta") or {}).get("content")
+            raise RuntimeError(f"chat endpoint {url} error: {_error_message(event)}")
+        for choice in _choices(event, url):
+            delta = choice.get("delta")
+            content = delta.get("content") if isinstance(delta, dict) else None
             if content:
-                yield content
+                yield str(content)
+    raise RuntimeError(f"chat endpoint {url} ended the stream before [DONE]: the reply is cut short")
+
+
+def _json_or_text(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _completion_content(body: bytes, url: str) -> list[str]:
+    """The reply of a whole (non-streamed) chat completion, as one chunk."""
+    completion = _json_object(body.decode("utf-8", "replace"), url)
+    if "error" in completion:
+        raise RuntimeError(f"chat endpoint {url} error: {_error_message(completion)}")
+    choices = _choices(completion, url)
+    message = choices[0].get("message") if choices else None
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        raise RuntimeError(f"chat endpoint {url} answered JSON that is not a chat completion: {body[:120]!r}")
+    return [content] if content else []

