@@ -58,7 +58,7 @@ class EngineHost:
             return None
         if c.gpus is None and c.decoder_gpu is None and visible <= 1:
             return None
-        return Placement.plan(c.gpus, c.decoder_gpu, visible=visible, n_heads=self.spec.n_heads)
+        return Placement.plan(c.gpus, c.decoder_gpu, visible=visible, n_heads=self.spec.n_heads, mlp_hidden=self.spec.mlp_hidden)
 
     def _graph_replay(self) -> bool:
         """Whether the engine's step replays as a CUDA graph: asked for, on GPUs, with one diffusion process

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.config import ModelSpec
+from engine.config import ModelSpec, shard_spec
 from engine.kernels import GEMM_MODES, apply_gemm_mode_
 
 # Multicast can take a shared host's GPUs out of service; keep it off for every child process.
@@ -53,11 +53,12 @@ class Placement:
         return len(self.diffusion) or self.cpu_ranks
 
     @staticmethod
-    def plan(gpus: str | None, decoder_gpus: str | None, *, visible: int, n_heads: int) -> "Placement":
+    def plan(gpus: str | None, decoder_gpus: str | None, *, visible: int, n_heads: int, mlp_hidden: int) -> "Placement":
         """Placement from `--gpus 0,1,2,3 --decoder-gpu 3` style flags, or a default for the GPUs visible.
 
         Default: one GPU shares diffusion and decoding; with more, the last GPU decodes and the
-        largest tensor-parallel degree that divides the heads takes the rest (leftovers decode too).
+        largest tensor-parallel degree that divides both the heads and the MLP width (a rank holds whole
+        heads and an equal share of the MLP) takes the rest (leftovers decode too).
         """
         def parse(text: str | None, what: str) -> list[int]:
             if text is None or text.strip() == "":
@@ -82,9 +83,11 @@ class Placement:
         if not decoders and len(chosen) >= 2:
             decoders = [chosen[-1]]
         diffusion = [g for g in chosen if g not in decoders] or chosen[:1]
-        tp = max(d for d in range(1, len(diffusion) + 1) if n_heads % d == 0)
+        tp = max(d for d in range(1, len(diffusion) + 1) if n_heads % d == 0 and mlp_hidden % d == 0)
         if gpus is not None and decoder_gpus is not None and tp != len(diffusion):
-            raise ValueError(f"{len(diffusion)} diffusion GPUs cannot split {n_heads} heads evenly; use a degree dividing {n_heads}")
+            fits = [d for d in range(1, len(diffusion) + 1) if n_heads % d == 0 and mlp_hidden % d == 0]
+            raise ValueError(f"{len(diffusion)} diffusion GPUs cannot split {n_heads} heads and an MLP width of {mlp_hidden} "
+                             f"evenly; give {' or '.join(map(str, fits))} diffusion GPU(s)")
         decoders += [g for g in diffusion[tp:] if g not in decoders]
         return Placement(tuple(diffusion[:tp]), tuple(decoders))
 
@@ -289,6 +292,7 @@ class DistributedEngine:
                  timeout: float = 300.0):
         if gemm not in GEMM_MODES:
             raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
+        shard_spec(spec, placement.tp)  # a degree the spec cannot split fails here, not in every rank process
         self.spec, self.placement, self.timeout = spec, placement, timeout
         job = _Job(spec, weights, seed, dict(session or {}), overlap, gemm)
         self.reset_every = spec.reset_interval(job.session.get("reset_every"))  # steps between position resets (0: never)

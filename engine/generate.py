@@ -68,7 +68,7 @@ def build_character(args, spec, device: torch.device):
         from engine.distributed import DistributedEngine, Placement
 
         if args.gpus is not None:
-            placement = Placement.plan(args.gpus, args.decoder_gpu, visible=torch.cuda.device_count(), n_heads=spec.n_heads)
+            placement = Placement.plan(args.gpus, args.decoder_gpu, visible=torch.cuda.device_count(), n_heads=spec.n_heads, mlp_hidden=spec.mlp_hidden)
         else:
             placement = Placement(cpu_ranks=args.tp)
         session_kwargs = dict(cache="reference" if args.attention == "reference" else "ring", kv_dtype=args.kv_dtype,

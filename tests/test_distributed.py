@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.config import get_spec
 from engine.decoder import StandInCodec
 from engine.distributed import DistributedEngine, OverlappedCombine, Placement, free_port
 from engine.model import build_model
@@ -191,20 +192,32 @@ def test_overlapped_all_reduce_gives_the_plain_sums():
 
 
 def test_placement_defaults_and_errors():
-    assert Placement.plan(None, None, visible=0, n_heads=60) == Placement()
-    assert Placement.plan(None, None, visible=1, n_heads=60) == Placement((0,), ())
-    assert Placement.plan(None, None, visible=4, n_heads=60) == Placement((0, 1, 2), (3,))
-    assert Placement.plan("0,1,2,3", "3", visible=8, n_heads=60) == Placement((0, 1, 2), (3,))
-    assert Placement.plan(None, None, visible=8, n_heads=6) == Placement((0, 1, 2, 3, 4, 5), (7, 6))
-    assert Placement.plan("0,1,2,3,4,5,6,7", "6,7", visible=8, n_heads=60) == Placement((0, 1, 2, 3, 4, 5), (6, 7))
+    big = dict(n_heads=60, mlp_hidden=24576)  # characters-57b
+    demo = dict(n_heads=get_spec("demo").n_heads, mlp_hidden=get_spec("demo").mlp_hidden)  # 6 heads, MLP 1024
+    assert Placement.plan(None, None, visible=0, **big) == Placement()
+    assert Placement.plan(None, None, visible=1, **big) == Placement((0,), ())
+    assert Placement.plan(None, None, visible=4, **big) == Placement((0, 1, 2), (3,))
+    assert Placement.plan("0,1,2,3", "3", visible=8, **big) == Placement((0, 1, 2), (3,))
+    assert Placement.plan(None, None, visible=8, n_heads=6, mlp_hidden=1536) == Placement((0, 1, 2, 3, 4, 5), (7, 6))
+    assert Placement.plan("0,1,2,3,4,5,6,7", "6,7", visible=8, **big) == Placement((0, 1, 2, 3, 4, 5), (6, 7))
+    # a degree must split the MLP evenly too: demo's 1024 columns go 2 ways, not 3 or 6
+    assert Placement.plan(None, None, visible=4, **demo) == Placement((0, 1), (3, 2))
+    assert Placement.plan(None, None, visible=8, **demo).tp == 2
+    with pytest.raises(ValueError, match="3 diffusion GPUs cannot split 6 heads and an MLP width of 1024 evenly; give 1 or 2"):
+        Placement.plan("0,1,2,3", "3", visible=4, **demo)
     with pytest.raises(ValueError, match="not visible"):
-        Placement.plan("0,1,5", None, visible=4, n_heads=60)
+        Placement.plan("0,1,5", None, visible=4, **big)
     with pytest.raises(ValueError, match="twice"):
-        Placement.plan("0,0", None, visible=4, n_heads=60)
+        Placement.plan("0,0", None, visible=4, **big)
     with pytest.raises(ValueError, match="cannot split"):
-        Placement.plan("0,1,2,3,4,5,6", "6", visible=8, n_heads=8)
+        Placement.plan("0,1,2,3,4,5,6", "6", visible=8, n_heads=8, mlp_hidden=64)
     with pytest.raises(ValueError, match="comma-separated"):
-        Placement.plan("zero", None, visible=4, n_heads=60)
+        Placement.plan("zero", None, visible=4, **big)
+
+
+def test_a_degree_the_spec_cannot_split_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="degree 3 must divide n_heads 6 and mlp_hidden 1024"):
+        DistributedEngine(get_spec("demo"), Placement(cpu_ranks=3))
 
 
 def test_realtime_character_runs_unchanged_on_the_distributed_engine(monkeypatch):
