@@ -407,7 +407,8 @@ def _paced_step_stats(session, audio: torch.Tensor, steps: int, device: torch.de
     times, resets = _timed_steps(session, audio, steps, 1, device, resets=True, before_step=wait_for_slot, reset_needed=False,
                                  energy=window, graph_times=graph_times)
     # the GPU idles between paced steps: energy per step and mean power count those pauses, the clock would not say much
-    return {"step_ms_at_realtime_cadence": statistics.median(times), "realtime_cadence_ms": 1000 * period,
+    return {"step_ms_at_realtime_cadence": statistics.median(times), "steps_timed_at_realtime_cadence": len(times),
+            "realtime_cadence_ms": 1000 * period,
             "realtime_cadence_missed": missed, **_graph_stats(graph_times, "_at_realtime_cadence"),
             **_energy_stats(window, len(times) + len(resets), "_at_realtime_cadence", clock=False)}
 
@@ -438,7 +439,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     ref_latent = torch.randn(full.latent_channels, *full.latent_grid, device=device, dtype=dtype)
     audio = torch.randn(full.frames_per_latent, full.n_mels, device=device)
     result: dict = {"bench": "step", "date": time.strftime("%Y-%m-%d"), "spec": full.name, "tp_shard": tp, "communication": "left out (one rank's compute only)",
-                    "device": _device_name(device), "torch": torch.__version__, "steps_timed": steps,
+                    "device": _device_name(device), "torch": torch.__version__, "steps_asked": steps,
                     "branch_streams": branch_streams, "fast_accum": fast_accum, "attention_options": attention_options or {}}
     try:
         import triton
@@ -462,7 +463,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         session.start(ref_latent)
         window, graph_times = EnergyWindow(meter), []
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast, energy=window, graph_times=graph_times)
-        out = {**_step_stats(times, resets), **_graph_stats(graph_times),
+        # the serving path goes on past `steps` until a reset step was timed too: its count is its own
+        out = {**_step_stats(times, resets), "steps_timed": len(times), **_graph_stats(graph_times),
                "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9, **_energy_stats(window, len(times) + len(resets))}
         if fast:  # the same session with its steps started at the real-time cadence
             out.update(_paced_step_stats(session, audio, steps, device, meter))
@@ -757,6 +759,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
             att = make_attention(opts["kernel"], H, M, S, D, device, **options)
             att.mark_live_tiles(valid)
             vt = att.arrange_v(vt8)
+            out.fill_(float("nan"))  # a configuration that missed rows must not pass on the previous one's output
             fn = lambda: att(q8, k8, vt, valid, qks, scale, out)
             ms = graph_call_ms(fn, device, repeats)
             err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -771,7 +774,7 @@ def bench_attention(spec_name: str, tp: int, device: torch.device, repeats: int)
     served.mark_live_tiles(valid)
     vt = served.arrange_v(vt8)
     o_scale = out_scale(scale, S)
-    out8 = torch.empty(M, H * D, device=device, dtype=fp8.FP8)
+    out8 = torch.full((M, H * D), float("nan"), device=device, dtype=torch.bfloat16).to(fp8.FP8)
     v_scale8 = scale / o_scale  # made once: a kernel of its own in the timed call would be timed too
     served_call = lambda: served(q8, k8, vt, valid, qks, v_scale8, out8)
     best_call = lambda: served(q8, k8, vt, valid, qks, scale, out)
@@ -1007,10 +1010,32 @@ def attention_options_arg(text: str) -> dict:
     if not isinstance(options, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, e.g. '{{\"kernel\": \"ws\"}}', got {text!r}")
     try:
-        check_attention_kernel(options.get("kernel", "auto"))
+        kernel = check_attention_kernel(options.get("kernel", "auto"))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    from engine.kernels import attention_option_names
+
+    known = attention_option_names(kernel)
+    unknown = sorted(set(options) - known - {"kernel"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown option(s) {', '.join(unknown)} for the {kernel} attention kernel; "
+                                         f"it takes {', '.join(sorted(known))}")
     return options
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= low."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1020,16 +1045,16 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("step", help="one rank's step of the 57b shape: serving path vs baseline, with a breakdown")
     at = sub.add_parser("attention", help="one attention call at the production shape: FP8 kernel vs SDPA bf16")
     ar = sub.add_parser("allreduce", help="MLP-out GEMM + all-reduce at 757 x 7680: overlapped vs plain")
-    ar.add_argument("--world", type=int, default=torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    ar.add_argument("--chunks", type=int, default=4)
+    ar.add_argument("--world", type=at_least(2), default=torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    ar.add_argument("--chunks", type=at_least(1), default=4)
     pl = sub.add_parser("pipeline", help="step period with the decoder in its own process vs diffusion time")
     pl.add_argument("--gpus", default=None, help="e.g. 0,1,2,3 (default: all visible)")
     pl.add_argument("--decoder-gpu", default=None, help="e.g. 3")
-    pl.add_argument("--steps", type=int, default=40)
-    st.add_argument("--steps", type=int, default=20)
-    st.add_argument("--world", type=int, default=1,
+    pl.add_argument("--steps", type=at_least(8), default=40, help="steps made; the first fifth (at least 3) warm up")
+    st.add_argument("--steps", type=at_least(1), default=20)
+    st.add_argument("--world", type=at_least(1), default=1,
                     help="GPUs, one tensor-parallel rank each, communication included (default: one rank's share, no communication)")
-    st.add_argument("--warmup", type=int, default=3)
+    st.add_argument("--warmup", type=at_least(0), default=3)
     st.add_argument("--branch-streams", choices=("on", "off"), default="on",
                     help="each block's MLP branch on a side stream beside its attention (the other setting is timed too)")
     st.add_argument("--fast-accum", choices=("on", "off"), default="on",
@@ -1038,17 +1063,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
                          "Hopper; the other is timed too)")
     st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max, exp2 (also e4m3_bits), row_sum (fma|tensor), tma_out; ws options change the served ones (fp8_attention_ws.SERVED_OPTIONS) only where given")
-    for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (ar, "characters-57b"), (pl, "demo")):
+    # each subcommand takes the flags it uses (the all-reduce benchmark is of the 57b shape only)
+    for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (pl, "demo")):
         q.add_argument("--spec", default=spec_default, choices=sorted(SPECS))
-        q.add_argument("--tp-shard", type=int, default=1, help="benchmark one rank's share at this tensor-parallel degree")
+    for q in (c, st, at):
+        q.add_argument("--tp-shard", type=at_least(1), default=1, help="benchmark one rank's share at this tensor-parallel degree")
+    for q in (c, at, ar):
+        q.add_argument("--repeats", type=at_least(1), default=10)
+    for q in (c, st, at, ar, pl):
         q.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        q.add_argument("--repeats", type=int, default=10)
         q.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     args = p.parse_args(argv)
     try:
-        if args.repeats < 1:
-            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-        spec = shard_spec(get_spec(args.spec), args.tp_shard)
+        if hasattr(args, "tp_shard"):
+            spec = shard_spec(get_spec(args.spec), args.tp_shard)
         device = pick_device(args.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if args.bench == "cache":
@@ -1060,7 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
             from engine.distributed import Placement
 
             visible = torch.cuda.device_count() if device.type == "cuda" else 0
-            placement = Placement.plan(args.gpus, args.decoder_gpu, visible=visible, n_heads=get_spec(args.spec).n_heads)
+            pspec = get_spec(args.spec)
+            placement = Placement.plan(args.gpus, args.decoder_gpu, visible=visible, n_heads=pspec.n_heads, mlp_hidden=pspec.mlp_hidden)
             result = bench_pipeline(args.spec, placement, args.steps)
         elif device.type != "cuda":
             raise ValueError(f"the {args.bench} benchmark needs a CUDA GPU")

@@ -36,7 +36,34 @@ def test_bench_cache_prints_one_json_object():
     assert result["naive_ms"] > 0 and result["ring_ms"] > 0
     assert result["speedup"] == pytest.approx(result["naive_ms"] / result["ring_ms"])
     out = run("engine.bench", "cache", "--device", "cpu", "--json", "--repeats", "0")
-    assert out.returncode == 2 and "--repeats must be at least 1" in out.stderr
+    assert out.returncode == 2 and "argument --repeats: must be at least 1, got 0" in out.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["step", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["step", "--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
+    (["pipeline", "--steps", "4"], "argument --steps: must be at least 8, got 4"),
+    (["allreduce", "--chunks", "0"], "argument --chunks: must be at least 1, got 0"),
+    (["allreduce", "--spec", "demo"], "unrecognized arguments: --spec demo"),  # it times the 57b shape only
+    (["pipeline", "--tp-shard", "2"], "unrecognized arguments: --tp-shard 2"),
+    (["step", "--repeats", "5"], "unrecognized arguments: --repeats 5"),
+    (["step", "--attention-options", '{"kernel": "triton", "blockm": 64}'], "unknown option(s) blockm for the triton attention kernel"),
+    (["step", "--attention-options", '{"kernel": "ws", "splits": 2}'], "unknown option(s) splits for the ws attention kernel"),
+])
+def test_bench_flags_are_checked_as_the_command_line_is_read(argv, message, capsys):
+    """Values a benchmark cannot use, and flags a subcommand would ignore, are refused before any model is built."""
+    from engine.bench import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--device", "cpu"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_triton_attention_launcher_refuses_tiles_it_cannot_run():
+    from engine.kernels.fp8_attention import FP8Attention
+
+    with pytest.raises(ValueError, match="splits must be a whole number >= 1, got 0"):
+        FP8Attention(2, 16, 64, 64, "cpu", splits=0)
 
 
 def test_attention_bench_never_picks_a_fast_configuration_that_is_wrong():

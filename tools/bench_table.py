@@ -369,6 +369,15 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
     return out
 
 
+def steps_timed(step: dict) -> str:
+    """How many steady-state steps each median is over: the serving path's count and the baseline's, where the
+    run recorded them (it goes on past the steps asked until a reset step was timed); older runs only the steps asked."""
+    s, b = step["serving"], step["baseline"]
+    if "steps_timed" in s and "steps_timed" in b:
+        return f"{s['steps_timed']} (serving path) and {b['steps_timed']} (baseline)"
+    return f"at least {step.get('steps_asked', step.get('steps_timed'))}"
+
+
 def step_graph_time(s: dict) -> list[str]:
     """How much of the serving step's wall time its CUDA graph takes on the GPU (marks recorded inside the graph)."""
     if "step_graph_ms" not in s:
@@ -667,7 +676,7 @@ def main() -> None:
         mlp_in_kernel = (s.get("gemm_kernels") or {}).get("mlp_in")  # MLP-in's FP8 GEMM kernel
         out += ["## One rank's step of the 57b shape at tensor-parallel degree 3", "",
                 f"Run {step.get('date', '?')}. Hardware: {gpu}. Communication left out (one rank's compute only); random weights; "
-                f"median of {step['steps_timed']} steady-state steps after warm-up. Serving path: ring FP8 KV cache with "
+                f"median of {steps_timed(step)} steady-state steps after warm-up. Serving path: ring FP8 KV cache with "
                 "write-time RoPE/FP8 kernels, "
                 + ("the warp-specialised FP8 attention kernel (Gluon, Hopper"
                    + (f"; {ws_options(s['attention_kernel_options'])}" if s.get("attention_kernel_options") else "") + ")"
@@ -697,7 +706,7 @@ def main() -> None:
             missed = s.get("realtime_cadence_missed")
             out += [f"Started at the real-time cadence, one step every {s['realtime_cadence_ms']:.1f} ms (a step's "
                     f"{spec.frames_per_latent} frames at {spec.fps} fps; same session, same run, median of "
-                    f"{step['steps_timed']} steps" + (f", {missed} of them started late" if missed else "") + "): "
+                    f"{s.get('steps_timed_at_realtime_cadence', step.get('steps_asked', step.get('steps_timed')))} steps" + (f", {missed} of them started late" if missed else "") + "): "
                     f"{ms(s['step_ms_at_realtime_cadence'])} ms per step, against {ms(s['step_ms'])} ms back to back above. "
                     "Back to back the GPU never idles between steps; at the cadence a real-time session keeps, it does. "
                     "The target row above is the back-to-back figure.", ""]

@@ -126,6 +126,19 @@ def attention_kernel(kernel: str, device: torch.device, head_dim: int) -> str:
     return "ws" if runs else "triton"
 
 
+def attention_option_names(kernel: str) -> set[str]:
+    """The tile options a kernel's launcher takes (`kernel` one of ATTENTION_KERNELS; auto: either's)."""
+    import inspect
+
+    from engine.kernels.fp8_attention import FP8Attention
+    from engine.kernels.fp8_attention_ws import WarpSpecializedFP8Attention
+
+    shape = {"self", "n_heads", "n_queries", "n_slots", "head_dim", "device"}
+    names = {name: set(inspect.signature(c.__init__).parameters) - shape
+             for name, c in (("triton", FP8Attention), ("ws", WarpSpecializedFP8Attention))}
+    return names[kernel] if kernel in names else names["triton"] | names["ws"]
+
+
 def make_attention(kernel: str, n_heads: int, n_queries: int, n_slots: int, head_dim: int, device, **options):
     """The launcher of a resolved attention kernel ("triton" or "ws") with that kernel's tile options."""
     if kernel == "ws":

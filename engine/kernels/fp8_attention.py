@@ -179,6 +179,10 @@ class FP8Attention:
                  tma: bool = False):
         if exp2 not in EXP2_UNITS:
             raise ValueError(f"exp2 must be one of {', '.join(EXP2_UNITS)}, got {exp2!r}")
+        for name, value in (("block_m", block_m), ("block_n", block_n), ("splits", splits), ("num_warps", num_warps),
+                            ("num_stages", num_stages)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         self.H, self.M, self.S, self.D = n_heads, n_queries, n_slots, head_dim
         self.exp2, self.lazy_rescale = exp2, lazy_rescale
         self.block_m, self.block_n, self.splits = block_m, block_n, splits
