@@ -94,12 +94,14 @@ def silence_features(n_mels: int) -> torch.Tensor:
 def to_mono_16k(pcm: np.ndarray, sample_rate: int) -> np.ndarray:
     """Convert any rate and channel layout ((samples,) or (samples, channels)) to 16 kHz mono float32."""
     x = np.asarray(pcm)
+    if x.dtype == np.int16:  # scaled before the channels are mixed, which would leave it float
+        x = x.astype(np.float32) / 32768.0
+    elif not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"audio samples must be float or int16, got {x.dtype}")
     if x.ndim == 2:
         x = x.mean(axis=1) if x.shape[1] <= 8 else x.mean(axis=0)
     if x.ndim != 1:
         raise ValueError(f"audio must be (samples,) or (samples, channels), got shape {x.shape}")
-    if x.dtype == np.int16:
-        x = x.astype(np.float32) / 32768.0
     x = x.astype(np.float32)
     if not np.isfinite(x).all():
         raise ValueError("audio contains NaN or infinite samples")
@@ -116,7 +118,8 @@ def resample(x: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
         cutoff = 0.45 * to_rate / from_rate  # cycles per input sample
         taps = np.arange(-32, 33)
         kernel = 2 * cutoff * np.sinc(2 * cutoff * taps) * np.hamming(taps.size)
-        x = np.convolve(x, kernel / kernel.sum(), mode="same")
+        # "full", then the centred span: "same" returns the kernel's length for inputs shorter than it
+        x = np.convolve(x, kernel / kernel.sum())[taps.size // 2:taps.size // 2 + x.size]
     n_out = int(round(x.size * to_rate / from_rate))
     t = np.arange(n_out) * (from_rate / to_rate)
     return np.interp(t, np.arange(x.size), x).astype(np.float32)

@@ -62,8 +62,9 @@ def reference_self_attention(rope: "TokenRope", q: torch.Tensor, k: torch.Tensor
 class TokenRope:
     """cos/sin of a frame's tokens and the reference's tokens at any temporal position."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, keep: int = 64):
         self.spec, self.dtype, self.device = spec, dtype, device
+        self.keep = keep  # tables kept, oldest dropped first: a ring's positions repeat every reset period
         self.frame_rows, self.frame_cols = frame_positions(spec)
         self.ref_rows, self.ref_cols = reference_positions(spec)
         self._recent: dict[tuple[str, float], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -78,7 +79,7 @@ class TokenRope:
         """cos/sin at temporal position t, kept for the last few positions asked for."""
         key = (kind, t)
         if key not in self._recent:
-            if len(self._recent) >= 64:
+            if len(self._recent) >= self.keep:
                 self._recent.pop(next(iter(self._recent)))
             self._recent[key] = cos_sin(rope_angles(self.spec, torch.full_like(rows, t), rows, cols), self.dtype, self.device)
         return self._recent[key]
@@ -138,7 +139,8 @@ class RingKVCache:
             self.k_scale = self.v_scale = None
         self.sink_k = torch.zeros(L, H, spec.reference_tokens, D, dtype=torch.float32, device=self.device)
         self.valid = torch.zeros(S, dtype=torch.int8, device=self.device)
-        self.rope = TokenRope(spec, dtype, self.device)
+        # one reset period asks for reset_every frame positions and as many reference ones: all kept, none rebuilt
+        self.rope = TokenRope(spec, dtype, self.device, keep=max(64, 2 * self.reset_every + 2))
         self._reset_cos, self._reset_sin = cos_sin(temporal_delta_angles(spec, -self.reset_every), torch.float32, self.device)
         self.step = -1
         self.position = 0  # temporal position of the newest frame

@@ -64,6 +64,14 @@ def test_conversions():
     as_int16 = to_mono_16k((ref * 32767).astype(np.int16), SAMPLE_RATE)
     assert np.abs(as_int16 - ref).max() < 1e-3
     assert resample(tone(1.0, rate=22_050), 22_050, 16_000).shape == (16_000,)
+    # int16 stereo is scaled like int16 mono (mixing the channels first left it in the thousands)
+    stereo_int16 = np.stack([(ref * 32767).astype(np.int16)] * 2, axis=1)
+    assert np.abs(to_mono_16k(stereo_int16, SAMPLE_RATE) - ref).max() < 1e-3
+    # chunks shorter than the low-pass filter keep their length's ratio (48 kHz -> 16 kHz: a third)
+    for n in (3, 30, 63, 64, 65, 300):
+        assert resample(np.ones(n, np.float32), 48_000, 16_000).size == round(n / 3)
+    long = tone(1.0, rate=48_000)  # and the longer ones are filtered as before ("same" convolution)
+    assert np.abs(resample(long, 48_000, 16_000)[100:-100] - ref[100:-100]).max() < 0.02
 
 
 @pytest.mark.parametrize(
@@ -87,3 +95,5 @@ def test_conversion_rejects_bad_audio():
         to_mono_16k(np.zeros((2, 2, 2), np.float32), 16_000)
     with pytest.raises(ValueError, match="sample rate"):
         to_mono_16k(np.zeros(10, np.float32), 0)
+    with pytest.raises(ValueError, match="float or int16, got int32"):
+        to_mono_16k(np.zeros((10, 2), np.int32), 16_000)

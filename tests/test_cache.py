@@ -150,3 +150,24 @@ def test_unpadded_sink_reads_the_live_prefix_unmasked_and_still_matches_referenc
                          kv_dtype="fp32")
     padded.step = 3
     assert padded.live_prefix() is None  # sink padding: a hole, so the mask stays
+
+
+def test_the_torch_ring_builds_each_positions_rope_table_once(monkeypatch):
+    """Positions repeat every reset period, so after the first period the ring's cos/sin tables are all kept: none
+    is rebuilt (and copied to the device) per step, at the 57b spec's reset period of 42 steps too."""
+    import engine.cache
+
+    built = []
+    real = engine.cache.cos_sin
+    monkeypatch.setattr(engine.cache, "cos_sin", lambda *a, **k: built.append(1) or real(*a, **k))
+    model = tiny_model()
+    cache = RingKVCache(TINY, [b.k_norm.weight for b in model.blocks], [b.v_norm.weight for b in model.blocks],
+                        kv_dtype="fp32", reset_every=42)
+    for step in range(42):
+        cache.begin_step(step)
+        cache._frame_cos_sin()
+    first_period = len(built)
+    for step in range(42, 3 * 42):
+        cache.begin_step(step)
+        cache._frame_cos_sin()
+    assert len(built) == first_period
