@@ -47,6 +47,12 @@ def undelivered_turns(all_records: list[dict[str, Any]], delivered: list[dict[st
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The report; the questions' WAV and the session log live in a folder removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="talkloop-bench-") as tmp:
+        return _run_bench(args, Path(tmp))
+
+
+def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
     from app.browser import chromium_path, conversation_wav, start_in_browser, start_server, stop_server
@@ -55,7 +61,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from voice.bench import QUESTIONS
     from voice.samples import sample_speech
 
-    tmp = Path(tempfile.mkdtemp(prefix="talkloop-bench-"))
     config = build_config(args.config, dict(spec=args.spec, device=args.device, port=free_port(), record=False,
                                             session_log=str(tmp / "sessions.jsonl")))
     questions = QUESTIONS[: args.utterances]

@@ -1,13 +1,17 @@
 """App settings: defaults, then a YAML file (--config), then command-line flags.
 
-Every setting has one name, used as the YAML key and (with dashes) as the flag.
-A YAML key the app does not know, or a value of the wrong type, is an error that
-names it, so a typo never silently falls back to a default.
+Every setting has one name, used as the YAML key and (with dashes) as the flag:
+`min_silence_ms: 500` in the file is `--min-silence-ms 500` on the command line, and a
+true/false setting also has its `--no-` flag (`--no-record`). A YAML key the app does not
+know, an empty value, or a value of the wrong type, is an error that names it, so a typo
+never silently falls back to a default.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,48 +24,56 @@ def default_recordings_dir() -> str:
     return str(Path.home() / ".cache" / "talkloop" / "recordings")
 
 
+def setting(default: Any, help: str) -> Any:
+    """A field with the line its flag shows in --help."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class AppConfig:
-    host: str = "127.0.0.1"
-    port: int = 7860
+    host: str = setting("127.0.0.1", "address to serve on")
+    port: int = setting(7860, "port to serve on")
     # Engine
-    device: str = "auto"  # auto, cpu, cuda
-    spec: str = "demo"
-    weights: str | None = None
-    gpus: str | None = None  # placement: diffusion GPUs, one process each
-    decoder_gpu: str | None = None  # placement: GPU(s) that only decode
-    tp: int | None = None  # without GPUs: tensor-parallel degree in CPU processes
-    max_lead: int = 7  # playout buffer: frames the engine may run ahead (at most)
-    adaptive_lead: bool = True  # keep only the lead the engine's recent steps need (engine/playout.py)
-    cuda_graph: bool = True  # replay the engine's step as a CUDA graph on a GPU (one diffusion process; needs Triton)
-    prebuffer: int = 4  # playout buffer: frames waiting before playback (re)starts
-    preset: str = "ada"
-    session_log: str | None = None  # per-session fps log (default: engine.sessions.default_log())
-    transport: str = "webrtc"  # webrtc, or hls: Gradio's streaming video, a fallback that adds seconds
+    device: str = setting("auto", "engine and voice models device")
+    spec: str = setting("demo", "engine model spec")
+    weights: str | None = setting(None, "engine checkpoint (default: the one shipped for the spec)")
+    gpus: str | None = setting(None, "placement: diffusion GPUs, one process each, e.g. 0,1,2")
+    decoder_gpu: str | None = setting(None, "placement: GPU(s) that only decode, e.g. 3")
+    tp: int | None = setting(None, "placement without GPUs: tensor-parallel degree in CPU processes")
+    max_lead: int = setting(7, "playout buffer: the most frames the engine may run ahead")
+    adaptive_lead: bool = setting(True, "keep only the lead the engine's recent steps need (engine/playout.py)")
+    cuda_graph: bool = setting(True, "replay the engine's step as a CUDA graph on a GPU (one diffusion process; needs Triton)")
+    prebuffer: int = setting(4, "playout buffer: frames waiting before playback (re)starts")
+    preset: str = setting("ada", "character preset at start")
+    session_log: str | None = setting(None, "per-session fps log (default: engine.sessions.default_log())")
+    transport: str = setting("webrtc", "video to the browser: webrtc, or hls (Gradio's streaming video; "
+                                       "a fallback, seconds behind)")
     # Voice
-    audio_input: str = "browser"  # browser or local (the workstation's own microphone)
-    agent: str = "persona"  # persona (offline) or openai (an OpenAI-compatible endpoint)
-    name: str = "Ada"
-    base_url: str = "http://127.0.0.1:8080/v1"
-    model: str = "local"
-    system_prompt: str | None = None
-    asr_model: str | None = None
-    voice: str | None = None
-    vad_threshold: float = 0.5
-    min_silence_ms: int = 300
-    preroll_ms: int = 200  # audio kept before the detected start of speech, so the first word is whole
+    audio_input: str = setting("browser", "microphone: the browser's, or local (this machine's own)")
+    agent: str = setting("persona", "replies: persona (offline) or openai (an OpenAI-compatible endpoint)")
+    name: str = setting("Ada", "the character's name, as the agent uses it")
+    base_url: str = setting("http://127.0.0.1:8080/v1", "agent openai: the endpoint")
+    model: str = setting("local", "agent openai: the model name")
+    system_prompt: str | None = setting(None, "agent openai: the system prompt ({name} becomes the character's name)")
+    asr_model: str | None = setting(None, "speech recognition model folder (default: the shipped Whisper model)")
+    voice: str | None = setting(None, "Piper voice model for the character's speech (default: the shipped one)")
+    vad_threshold: float = setting(0.5, "speech probability the VAD takes as speech, between 0 and 1")
+    min_silence_ms: int = setting(300, "silence that ends the user's turn, in ms")
+    preroll_ms: int = setting(200, "audio kept before the detected start of speech, so the first word is whole")
     # Recording
-    record: bool = False
-    recordings_dir: str = field(default_factory=default_recordings_dir)
+    record: bool = setting(False, "record every session (MP4 + trace + transcript)")
+    recordings_dir: str = field(default_factory=default_recordings_dir, metadata={"help": "where recorded sessions go"})
 
     def validate(self) -> "AppConfig":
+        for f in fields(self):  # checked first: the checks below compare values
+            if getattr(self, f.name) is None and f.name not in OPTIONAL:
+                raise ValueError(f"config key {f.name!r} needs a value")
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} must be {_one_of(allowed)}, got {getattr(self, key)!r}")
         checks = [
-            (self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}"),
             (self.spec in SPECS, f"unknown spec {self.spec!r}; known: {', '.join(SPECS)}"),
             (self.preset in PRESETS, f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}"),
-            (self.audio_input in ("browser", "local"), f"audio_input must be browser or local, got {self.audio_input!r}"),
-            (self.transport in ("webrtc", "hls"), f"transport must be webrtc or hls, got {self.transport!r}"),
-            (self.agent in ("persona", "openai"), f"agent must be persona or openai, got {self.agent!r}"),
             (1 <= self.port <= 65535, f"port must be 1..65535, got {self.port}"),
             (1 <= self.prebuffer <= self.max_lead, f"need 1 <= prebuffer <= max_lead, got {self.prebuffer}, {self.max_lead}"),
             (self.tp is None or self.tp >= 1, f"tp must be >= 1, got {self.tp}"),
@@ -72,6 +84,22 @@ class AppConfig:
             if not ok:
                 raise ValueError(message)
         return self
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "device": ("auto", "cpu", "cuda"),
+    "transport": ("webrtc", "hls"),
+    "audio_input": ("browser", "local"),
+    "agent": ("persona", "openai"),
+}
+# Settings whose default is None ("the app picks"); any other setting needs a value.
+OPTIONAL = frozenset(f.name for f in fields(AppConfig) if f.default is None)
+# A leading ~ in these is the user's home folder, from a flag (the shell expands it) or the YAML file alike.
+PATH_SETTINGS = ("weights", "session_log", "recordings_dir", "asr_model", "voice")
+
+
+def _one_of(allowed: tuple[str, ...]) -> str:
+    return f"{', '.join(allowed[:-1])} or {allowed[-1]}"
 
 
 def _field_types() -> dict[str, type]:
@@ -91,7 +119,7 @@ FIELD_TYPES = _field_types()
 
 
 def _coerce(key: str, value: Any) -> Any:
-    if value is None:
+    if value is None:  # an empty value: validate() names it unless the setting may be None
         return None
     want = FIELD_TYPES[key]
     if want is bool:
@@ -135,4 +163,21 @@ def build_config(yaml_path: str | Path | None = None, overrides: dict[str, Any] 
     if yaml_path is not None:
         values.update(load_yaml(yaml_path))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return dataclasses.replace(AppConfig(), **values).validate()
+    config = dataclasses.replace(AppConfig(), **values).validate()
+    paths = {key: os.path.expanduser(getattr(config, key)) for key in PATH_SETTINGS if getattr(config, key) is not None}
+    return dataclasses.replace(config, **paths)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting (--min-silence-ms for min_silence_ms; --record and --no-record for a true/false one).
+    A flag not given is None, so the YAML file's value stands (build_config drops None)."""
+    defaults = AppConfig()
+    for f in fields(AppConfig):
+        default = getattr(defaults, f.name)
+        help = f.metadata["help"] + ("" if default is None else f" (default {default})")
+        help = help.replace("%", "%%")  # argparse formats help with %
+        flag = "--" + f.name.replace("_", "-")
+        if FIELD_TYPES[f.name] is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
+        else:
+            parser.add_argument(flag, type=FIELD_TYPES[f.name], choices=CHOICES.get(f.name), default=None, help=help)

@@ -58,16 +58,19 @@ class SegmentStream:
         self._closed.set()
         self.live.remove_listener(self._on_frame, self._on_turn)
 
-    def segments(self, timeout: float = 5.0) -> Iterator[str]:
-        """Paths of finished segments, until `close()` (or no frame for `timeout` seconds)."""
+    def segments(self, poll_s: float = 0.5) -> Iterator[str]:
+        """Paths of finished segments, until `close()` or the session's end (looked for every `poll_s` while no
+        frame comes). No deadline for frames: a first step that compiles kernels or captures a CUDA graph may
+        take minutes, and the player waits for it."""
         index = 0
         while not self._closed.is_set():
             frames = []
             while len(frames) < self.frames_per_segment and not self._closed.is_set():
                 try:
-                    frames.append(self._queue.get(timeout=timeout))
+                    frames.append(self._queue.get(timeout=poll_s))
                 except queue.Empty:
-                    self._closed.set()
+                    if self.live.closed.is_set():  # the session stopped: its last frames make the last segment
+                        self._closed.set()
             if not frames:
                 return
             path = self.folder / f"segment_{index:05d}.ts"

@@ -86,6 +86,7 @@ class LiveSession:
         self._lock = threading.Lock()
         self._pump: threading.Thread | None = None
         self.av_offsets_ms: deque[float] = deque(maxlen=30)  # the browser's video - audio playout estimates
+        self.stopping = threading.Event()  # set when stop() begins: the voice loop is about to close
         self.closed = threading.Event()  # set once stop() has closed everything
         self.on_failure: Callable[["LiveSession"], None] | None = None
 
@@ -115,8 +116,15 @@ class LiveSession:
 
     # Audio in -----------------------------------------------------------------------------------
     def feed_mic(self, pcm: np.ndarray, sample_rate: int) -> None:
-        if self.voice is not None and self.failure is None:
+        """To the voice loop. The browser streams on to a session being stopped (a preset switch, a restart) until
+        it reconnects: from then on its chunks are dropped. A malformed chunk is a ValueError, as from the loop."""
+        if self.voice is None or self.failure is not None or self.stopping.is_set():
+            return
+        try:
             self.voice.feed(pcm, sample_rate)
+        except RuntimeError:  # "VoiceLoop is closed": stop() closed it after the check above
+            if not self.stopping.is_set():
+                raise
 
     def mark_turn(self, turn_id: int, name: str, t: float) -> None:
         """A stamp from outside the server (the browser's delivery report), on this session's clock."""
@@ -202,6 +210,7 @@ class LiveSession:
         """Stop voice, engine and pump; the engine's figures go to the session log; the recording is closed."""
         if self.stats is not None:
             return self.stats
+        self.stopping.set()
         if self.voice is not None:
             try:
                 self.voice.close()

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -78,6 +80,26 @@ def build_app(controller: Controller):
     recordings.mkdir(parents=True, exist_ok=True)
     with contextlib.redirect_stdout(sys.stderr):  # mount_gradio_app prints; stdout is for --json output
         return gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)])
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """ValueError naming the port when host:port cannot be bound (taken, or not this machine's address).
+    Binds each address as uvicorn's event loop will (SO_REUSEADDR: a port left in TIME_WAIT is free), then lets go."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot serve on host {host!r}: {e.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"port {port} on {host} is already in use; choose another with --port") from None
+                raise ValueError(f"cannot serve on {host}:{port}: {e.strerror}") from None
 
 
 def serve(controller: Controller) -> None:

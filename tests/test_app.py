@@ -41,6 +41,45 @@ def test_bad_settings_are_named(tmp_path, text, message):
         build_config(path)
 
 
+@pytest.mark.parametrize("text, key", [("port:\n", "port"), ("vad_threshold: ~\n", "vad_threshold"),
+                                       ("adaptive_lead: ~\n", "adaptive_lead"), ("name:\n", "name")])
+def test_an_empty_value_is_named_unless_the_setting_may_be_left_to_the_app(tmp_path, text, key):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"config key '{key}' needs a value"):
+        build_config(path)
+    path.write_text("weights: ~\nsession_log:\n")  # None is these settings' default: the app picks
+    assert build_config(path).weights is None
+
+
+def test_every_setting_has_a_flag_and_a_flag_turns_a_yaml_true_off(tmp_path):
+    from dataclasses import fields
+
+    from app.__main__ import parse_args
+
+    config_path, flags = parse_args([])
+    assert config_path is None and set(flags) == {f.name for f in fields(AppConfig)}
+    assert all(value is None for value in flags.values())  # a flag not given leaves the YAML value
+    usage = subprocess.run([sys.executable, "-m", "app", "--help"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and "--no-record" in usage.stdout and "--min-silence-ms" in usage.stdout
+    path = tmp_path / "talkloop.yaml"
+    path.write_text("record: true\nmin_silence_ms: 500\n")
+    config = build_config(*parse_args(["--config", str(path), "--no-record", "--vad-threshold", "0.3"]))
+    assert (config.record, config.min_silence_ms, config.vad_threshold) == (False, 500, 0.3)
+    config = build_config(*parse_args(["--config", str(path), "--decoder-gpu", "3", "--no-cuda-graph"]))
+    assert (config.record, config.decoder_gpu, config.cuda_graph, config.adaptive_lead) == (True, "3", False, True)
+
+
+def test_a_leading_tilde_in_a_path_setting_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = tmp_path / "talkloop.yaml"
+    path.write_text("session_log: ~/talkloop/sessions.jsonl\nweights: ~/ckpt.pt\n")
+    config = build_config(path, {"recordings_dir": "~/rec"})
+    home = tmp_path / "home"
+    assert (config.session_log, config.weights, config.recordings_dir) == (
+        str(home / "talkloop" / "sessions.jsonl"), str(home / "ckpt.pt"), str(home / "rec"))
+
+
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="config file not found"):
         load_yaml(tmp_path / "nope.yaml")
@@ -52,6 +91,19 @@ def test_cli_rejects_bad_input_with_a_clear_message(tmp_path):
     assert out.returncode == 2 and "config file not found" in out.stderr
     out = subprocess.run([sys.executable, "-m", "app", "--preset", "nobody"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown preset 'nobody'" in out.stderr
+
+
+def test_a_port_in_use_is_named_before_the_models_load(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "app", "--spec", "tiny", "--device", "cpu", "--port", str(port),
+                              "--recordings-dir", str(tmp_path / "rec")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and f"port {port} on 127.0.0.1 is already in use" in out.stderr, out.stderr[-2000:]
+    assert "talkloop: http" not in out.stderr  # no Controller was built
 
 
 # Latency panel -------------------------------------------------------------------------------------
@@ -121,6 +173,28 @@ def test_the_bench_lists_the_turns_it_did_not_time_with_their_status():
     assert undelivered_turns(records, delivered) == [
         {"turn": 2, "transcript": "My favourite colour is green", "status": "interrupted"},
         {"turn": 4, "transcript": "Do you", "status": "unfinished"}]
+
+
+def test_the_bench_leaves_no_temporary_folder_behind(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    import app.controller
+    import voice.samples
+    from app.bench import main
+
+    class EngineThatFails:
+        def __init__(self, config) -> None:
+            pass
+
+        def failures(self) -> list[str]:
+            return ["engine failed to start: no memory"]
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(voice.samples, "sample_speech", lambda text: np.zeros(1600, np.float32))
+    monkeypatch.setattr(app.controller, "Controller", EngineThatFails)
+    assert main(["--spec", "tiny", "--utterances", "1"]) == 2
+    assert "no memory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # the questions' WAV and the session log went with their folder
 
 
 # Recording -----------------------------------------------------------------------------------------
@@ -218,6 +292,46 @@ def test_a_voice_loop_that_fails_to_close_does_not_keep_the_rest_open(tmp_path):
     live.voice = Voice()
     assert live.stop(None) == {"fps": 24.0} and stopped and live.closed.is_set()
     assert json.loads((live.recorder.folder / "session.json").read_text())["ended"] > 0  # the recording was closed
+
+
+def test_microphone_audio_for_a_session_being_replaced_is_dropped_not_fatal():
+    """A preset switch or a restart closes the old session's voice loop while the browser still streams its
+    microphone to the old peer: the peer's reader reads on, dropping the audio, instead of dying on the closed loop."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import av
+    from aiortc.mediastreams import MediaStreamError
+
+    from app.live import LiveSession, VoiceModels
+    from app.rtc import Peer
+    from voice.vad import VADConfig
+
+    class Character:
+        def stop(self, session_log=None):
+            return {}
+
+    class Microphone:  # the browser's track: 20 ms frames at 48 kHz, then the connection closes
+        def __init__(self, frames: int) -> None:
+            self.left, self.read = frames, 0
+
+        async def recv(self) -> av.AudioFrame:
+            if self.left == 0:
+                raise MediaStreamError
+            self.left -= 1
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 960), np.int16), format="s16", layout="mono")
+            frame.sample_rate, frame.pts = 48000, 960 * self.read
+            self.read += 1
+            return frame
+
+    live = LiveSession(Character(), None, "ada")
+    live.attach_voice(VoiceModels(asr=object(), tts=object(), agent=object(), vad=VADConfig()))  # no speech: unused
+    with pytest.raises(ValueError):  # while the session runs, the loop's refusals still reach the caller
+        live.feed_mic(np.full(320, np.nan, np.float32), 16000)
+    live.stop(None)
+    microphone = Microphone(frames=5)
+    asyncio.run(asyncio.wait_for(Peer._read_mic(SimpleNamespace(live=live), microphone), 10))
+    assert microphone.read == 5  # read to the end of the stream
 
 
 # Failures are shown --------------------------------------------------------------------------------
@@ -420,6 +534,46 @@ def test_hls_fallback_streams_the_live_session_as_playable_segments(tmp_path):
     assert abs(starts[1] - starts[0] - 1.0) < 0.01  # the second segment picks up where the first ended
 
 
+class FakeLive:
+    """A live session as the HLS stream sees it: listeners, and whether it has ended."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.closed = threading.Event()
+
+    def add_listener(self, *listeners) -> None:
+        pass
+
+    def remove_listener(self, *listeners) -> None:
+        pass
+
+
+def test_hls_stream_waits_for_a_slow_first_step_and_ends_with_the_session(tmp_path):
+    """A first step that compiles kernels or captures a CUDA graph may take longer than any fixed wait: the stream
+    waits while the session runs, and ends when it has ended."""
+    import threading
+
+    from app.hls import SegmentStream
+    from engine.audio import SAMPLE_RATE
+    from engine.realtime import AVFrame
+
+    live = FakeLive()
+    stream = SegmentStream(live, tmp_path, 24, seconds=0.5)
+    segments = stream.segments(0.05)  # looks for the session's end every 50 ms
+    first: list[str | None] = []
+    waiting = threading.Thread(target=lambda: first.append(next(segments, None)))
+    waiting.start()
+    time.sleep(0.5)  # ten looks and no frame yet
+    for i in range(12):
+        stream._on_frame(AVFrame(i, np.zeros((32, 32, 3), np.uint8), np.zeros(SAMPLE_RATE // 24, np.float32), False), 0.0)
+    waiting.join(10)
+    assert first and first[0] is not None and first[0].endswith("segment_00000.ts")
+    live.closed.set()
+    assert next(segments, None) is None  # the session ended: so does the stream
+    stream.close()
+
+
 def test_hls_segments_audio_joins_without_overlap_or_gap(tmp_path):
     """Each segment's audio starts where the previous one's ended (one AAC encoder across segments): a new encoder
     per segment would start each with its priming, 64 ms early, and neighbours would overlap."""
@@ -429,19 +583,12 @@ def test_hls_segments_audio_joins_without_overlap_or_gap(tmp_path):
     from engine.audio import SAMPLE_RATE
     from engine.realtime import AVFrame
 
-    class Live:
-        def add_listener(self, *listeners) -> None:
-            pass
-
-        def remove_listener(self, *listeners) -> None:
-            pass
-
-    stream = SegmentStream(Live(), tmp_path, 24, seconds=0.5)
+    stream = SegmentStream(FakeLive(), tmp_path, 24, seconds=0.5)
     tone = 0.3 * np.sin(2 * np.pi * 440 * np.arange(SAMPLE_RATE * 2) / SAMPLE_RATE).astype(np.float32)
     per_frame = SAMPLE_RATE // 24
     for i in range(48):
         stream._on_frame(AVFrame(i, np.zeros((32, 32, 3), np.uint8), tone[i * per_frame:(i + 1) * per_frame], True), 0.0)
-    segments = stream.segments(timeout=0.1)
+    segments = stream.segments(0.1)
     paths = [next(segments) for _ in range(3)]
     stream.close()
     spans = []
