@@ -1074,6 +1074,12 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         q.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     args = p.parse_args(argv)
+    if args.bench == "step" and args.world > 1:  # the group times the served configuration, each rank its own shard
+        ignored = [flag for flag, value, default in (("--tp-shard", args.tp_shard, 1), ("--attention-options", args.attention_options, {}),
+                                                     ("--branch-streams", args.branch_streams, "on"), ("--fast-accum", args.fast_accum, "on"),
+                                                     ("--mlp-in-gemm", args.mlp_in_gemm, "auto")) if value != default]
+        if ignored:
+            st.error(f"--world {args.world} times the served configuration on {args.world} ranks; it does not take {', '.join(ignored)}")
     try:
         if hasattr(args, "tp_shard"):
             spec = shard_spec(get_spec(args.spec), args.tp_shard)

@@ -47,6 +47,7 @@ def test_bench_cache_prints_one_json_object():
     (["allreduce", "--spec", "demo"], "unrecognized arguments: --spec demo"),  # it times the 57b shape only
     (["pipeline", "--tp-shard", "2"], "unrecognized arguments: --tp-shard 2"),
     (["step", "--repeats", "5"], "unrecognized arguments: --repeats 5"),
+    (["step", "--world", "2", "--fast-accum", "off", "--tp-shard", "3"], "it does not take --tp-shard, --fast-accum"),
     (["step", "--attention-options", '{"kernel": "triton", "blockm": 64}'], "unknown option(s) blockm for the triton attention kernel"),
     (["step", "--attention-options", '{"kernel": "ws", "splits": 2}'], "unknown option(s) splits for the ws attention kernel"),
 ])

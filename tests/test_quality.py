@@ -362,3 +362,22 @@ def test_bad_devices_are_named(tmp_path, speech, capsys, command, device, messag
     assert main([command, *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "sheet.png").exists()
+
+
+@pytest.mark.parametrize("command", ["lipsync", "sheet"])
+def test_the_device_is_a_gpu_when_one_is_visible_unless_told(tmp_path, speech, monkeypatch, capsys, command):
+    """Like generate, train and the app: without --device, `auto` (a GPU when one is visible)."""
+    import engine.quality
+
+    asked = []
+
+    def record(name: str):
+        asked.append(name)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(engine.quality, "pick_device", record)
+    wav = tmp_path / "x.wav"
+    _write_wav(wav, speech[: 3 * SAMPLE_RATE])
+    argv = ["--spec", "tiny", "--audio", str(wav)] + (["--out", str(tmp_path / "sheet.png")] if command == "sheet" else [])
+    assert main([command, *argv]) == 2
+    assert asked == ["auto"]

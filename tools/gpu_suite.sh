@@ -8,6 +8,11 @@
 # A 10-minute soak outlasts one device call: soak-start leaves it running detached (setsid) and
 # soak-collect, in the next call on the same machine, waits for it and copies its report to $OUT.
 set -uo pipefail
+parts=${*:-all}
+known=" tests attention attention-ncu attention-ncu-source attention-cudnn attention-fa3 step cache pipeline all allreduce x2 session2 soak soak-start soak-collect compare compare-x2 app "
+for part in $parts; do  # a misspelt part would otherwise run nothing and exit 0
+  [[ $known == *" $part "* ]] || { echo "gpu_suite.sh: unknown part '$part'; parts:$known" >&2; exit 2; }
+done
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -15,7 +20,6 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
-parts=${*:-all}
 run() { echo "== $*" >&2; "$@"; }
 for part in $parts; do
   if [[ $part == tests || $part == all ]]; then
