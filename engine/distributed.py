@@ -19,6 +19,7 @@ error, never a hang; a new engine can be started in its place.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import signal
@@ -192,6 +193,22 @@ def _device_for(placement: Placement, rank: int) -> torch.device:
     return torch.device(f"cuda:{placement.diffusion[rank]}") if placement.diffusion else torch.device("cpu")
 
 
+PARENT_POLL_S = 1.0  # how often a waiting worker checks that the process that started it is still there
+
+
+def _get_while_parent_lives(queue):
+    """The queue's next item; the process exits if its parent died meanwhile. Killed outright (SIGKILL, the OOM
+    killer, a timeout's SIGTERM) the parent never closes its engine, and a worker waiting on its queue would
+    otherwise hold its GPU for good: the parent's end of the queue never closes in the worker, which holds it too."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return queue.get(timeout=PARENT_POLL_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                os._exit(1)
+
+
 def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, commands, latents: list, outbox) -> None:
     try:
         from engine.parallel import shard_model_
@@ -221,7 +238,7 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
         sent: deque[torch.Tensor] = deque(maxlen=16)
         outbox.put(("ready", rank, None))
         while True:
-            cmd, *args = commands.get()
+            cmd, *args = _get_while_parent_lives(commands)
             if cmd == "exit":  # the decoders are done (or given up on): what is still queued for them can go
                 for q in latents:
                     q.cancel_join_thread()
@@ -270,7 +287,7 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
         outbox.put(("ready", slot, None))
         decoded = 0
         while True:
-            item = latents.get()
+            item = _get_while_parent_lives(latents)
             if item is None:
                 outbox.put(("done", slot, decoded))
                 break

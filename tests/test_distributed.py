@@ -295,3 +295,38 @@ def test_closing_with_steps_in_flight_leaves_no_latent_mapped_past_its_owner(tmp
     done = run_script(tmp_path / "ipc_close.py", IPC_CLOSE_SCRIPT, timeout=300)
     assert done.returncode == 0 and "closed" in done.stdout, done.stdout + done.stderr
     assert "Producer process has been terminated" not in done.stderr, done.stderr
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its exit status left (a zombie nobody reaped)."""
+    try:
+        return "\nState:\tZ" in open(f"/proc/{pid}/status").read()
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_processes_exit_when_the_process_that_started_them_is_killed(tmp_path):
+    """A parent killed outright (SIGKILL, the OOM killer) never closes its engine: the workers notice it is gone
+    and exit, instead of waiting on their queues for good and holding their GPUs."""
+    import json
+    import signal
+
+    out = run_script(tmp_path / "killed_parent.py", """
+import json, os, signal
+from engine.config import get_spec
+from engine.distributed import DistributedEngine, Placement
+if __name__ == "__main__":
+    engine = DistributedEngine(get_spec("tiny"), Placement(cpu_ranks=2))
+    print(json.dumps(list(engine.pids().values())), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""", timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    pids = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(pids) >= 3  # two ranks and a decoder
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.2)
+    left = [p for p in pids if not _gone(p)]
+    for pid in left:  # do not leave them to the next test
+        os.kill(pid, signal.SIGKILL)
+    assert not left
