@@ -74,11 +74,13 @@ class StepFaults:
 
     def __call__(self, step: int) -> None:
         with self._lock:
-            armed, self._armed = self._armed, []
+            # a slow step is a multiple of the median step: it waits, armed, until a step has been timed
+            waiting = [f for f in self._armed if f.kind == "slow-step" and not self.step_seconds]
+            armed, self._armed = [f for f in self._armed if f not in waiting], waiting
         for fault in armed:
             fault.injected_at = time.monotonic() - self.clock_zero
             if fault.kind == "slow-step":
-                recent = sorted(self.step_seconds) or [0.0]
+                recent = sorted(self.step_seconds)
                 median = recent[len(recent) // 2]
                 delay = (fault.arg - 1.0) * median  # the step itself takes the other 1x
                 fault.details.update(step=step, median_step_ms=1000 * median, added_ms=1000 * delay)

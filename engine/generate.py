@@ -145,26 +145,34 @@ def main(argv: list[str] | None = None) -> int:
         if pcm.size == 0:
             raise ValueError(f"{args.audio} holds no audio samples")
         character, trained, close = build_character(args, spec, device)
-        character.push_audio(pcm, SAMPLE_RATE)
-        n_frames = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
-        steps = math.ceil(n_frames / spec.frames_per_latent)
-        t0 = time.perf_counter()
-        writer = Mp4Writer(args.out, spec.fps, spec.image_size) if _rank() == 0 else None
-        try:
-            written = 0
-            while written < steps * spec.frames_per_latent:
-                for frame in character.make_step():
-                    written += 1
-                    if writer is not None:
-                        writer.write(frame.rgb, frame.pcm)
+        try:  # the engine (its processes, or the torchrun group) is closed whatever happens below
+            character.push_audio(pcm, SAMPLE_RATE)
+            n_frames = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
+            steps = math.ceil(n_frames / spec.frames_per_latent)
+            t0 = time.perf_counter()
+            writer = Mp4Writer(args.out, spec.fps, spec.image_size) if _rank() == 0 else None
+            try:
+                written = 0
+                while written < steps * spec.frames_per_latent:
+                    for frame in character.make_step():
+                        written += 1
+                        if writer is not None:
+                            writer.write(frame.rgb, frame.pcm)
+            finally:
+                if writer is not None:
+                    writer.close()  # the fragments written so far stay playable
+            elapsed = time.perf_counter() - t0
         finally:
-            if writer is not None:
-                writer.close()
             close()
-        elapsed = time.perf_counter() - t0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a file that cannot be written
+        print(f"error: writing {args.out}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.out} holds the frames written so far", file=sys.stderr)
+        return 130
     if _rank() != 0:
         return 0
     print(json.dumps({

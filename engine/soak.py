@@ -16,7 +16,8 @@ Faults (`--fault KIND@SECONDS[:ARG]`, see engine/faults.py) are injected on sche
 the report says for each when it took effect and what followed. An engine failure ends
 the session cleanly (recording closed, trace ended, report printed), or with `--restarts N`
 a new engine takes over, up to N times. Exit status: 0 when the session ran its time,
-1 when a failure ended it, 2 for bad arguments.
+1 when a failure ended it (or the engine, a recording or a trace could not start), 2 for bad
+arguments, 130 when Ctrl-C ended it (the report still printed).
 """
 
 from __future__ import annotations
@@ -82,15 +83,29 @@ class Trace:
     def __init__(self, path: str | Path | None, t0: float):
         self.t0 = t0
         self.file = open(path, "w") if path is not None else None
+        self.error: str | None = None  # the first write that failed (a full disk): the trace stops there, the soak goes on
 
     def write(self, event: str, **fields) -> None:
-        if self.file is not None:
+        if self.file is None:
+            return
+        try:
             self.file.write(json.dumps({"t": round(time.monotonic() - self.t0, 4), "event": event, **fields}) + "\n")
             self.file.flush()
+        except OSError as e:
+            self.error = str(e)
+            self.close()
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except OSError as e:
+                self.error = self.error or str(e)
+
+
+class RecordingFailed(Exception):
+    """The MP4 could not be written (a full disk): the session ends, its report says so."""
 
 
 class MemoryWatch:
@@ -100,6 +115,7 @@ class MemoryWatch:
         engine = getattr(character.steps, "engine", None)
         self.engine = engine
         self.local_cuda = engine is None and str(character.steps.device).startswith("cuda")
+        self.local_device = character.steps.device  # cuda:N: the device the session runs on, not the current one
         self.devices = list(engine.placement.diffusion) + list(engine.placement.decoders) if engine is not None else []
 
     def sample(self) -> dict:
@@ -107,7 +123,7 @@ class MemoryWatch:
         host = [rss_mb(p) for p in pids]
         out = {"host_mb": sum(h for h in host if h is not None) if any(h is not None for h in host) else None}
         if self.local_cuda:
-            out["gpu_mb"] = torch.cuda.memory_allocated() / 2**20
+            out["gpu_mb"] = torch.cuda.memory_allocated(self.local_device) / 2**20
         elif self.devices and torch.cuda.is_available():  # device-wide use: the ranks' memory is in other processes
             used = [torch.cuda.mem_get_info(d) for d in sorted(set(self.devices))]
             out["gpu_mb"] = sum(total - free for free, total in used) / 2**20
@@ -180,20 +196,21 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
     step_faults = StepFaults([])
     fps, period = spec.fps, 1.0 / spec.fps
     writer = None
-    if record:  # PyAV only when recording: a soak without --record runs where it is not installed
-        from engine.media import Mp4Writer
-
-        writer = Mp4Writer(record, fps, spec.image_size)  # before the character starts: a bad path stops nothing running
-    live = LiveCharacter(opener, spec.fps, step_faults, step_times)
+    trace = Trace(trace_path, time.monotonic())  # before the character starts: a bad path stops nothing running
     try:
+        if record:  # PyAV only when recording: a soak without --record runs where it is not installed
+            from engine.media import Mp4Writer
+
+            writer = Mp4Writer(record, fps, spec.image_size)
+        live = LiveCharacter(opener, spec.fps, step_faults, step_times)
         live.start()
     except BaseException:
+        trace.close()
         if writer is not None:
             writer.close()
         raise
-    t0 = time.monotonic()
+    t0 = trace.t0 = time.monotonic()
     step_faults.clock_zero = t0
-    trace = Trace(trace_path, t0)
     trace.write("start", spec=spec.name, config=config.describe(), trained_weights=live.trained, seconds=seconds,
                 speech_s=speech_s, silence_s=silence_s, audio_source=source, restarts=restarts,
                 faults=[f.report()["fault"] for f in faults])
@@ -239,7 +256,10 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
                     second = int(due - first_due + 1e-6)
                     per_second[second] = per_second.get(second, 0) + 1
                     if writer is not None:
-                        writer.write(frame.rgb, frame.pcm)
+                        try:
+                            writer.write(frame.rgb, frame.pcm)
+                        except OSError as e:
+                            raise RecordingFailed(str(e)) from e
                     recorded += 1
             if now >= next_sample:
                 row = {"t": round(now, 3), "released": live.released, "underruns": live.underruns,
@@ -254,23 +274,34 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
         ended, error = "engine failure", str(e).splitlines()[0]
         if not failures or failures[-1]["error"] != error:
             trace.write("error", error=str(e))
+    except RecordingFailed as e:
+        ended, error = "recording failed", str(e).splitlines()[0]
+        trace.write("error", error=f"recording: {e}")
     except KeyboardInterrupt:  # Ctrl-C: the report and the trace's end as far as the session went
         ended, error = "interrupted", "interrupted (Ctrl-C)"
     finally:
+        session_end = time.monotonic()
         released, underruns = live.released, live.underruns
         live.stop()
         if writer is not None:
-            writer.close()
+            try:
+                writer.close()
+            except OSError as e:  # the file keeps the fragments written before
+                if ended != "recording failed":
+                    ended, error = "recording failed", f"closing the recording: {str(e).splitlines()[0]}"
     injected = sorted(f.injected_at for f in faults if f.injected_at is not None)
     for f in faults:
         until = next((t for t in injected if f.injected_at is not None and t > f.injected_at), math.inf)
         _outcome(f, samples, ended, until, failures)
         trace.write("fault_outcome", **f.report())
     fps_played = (recorded - 1) / (last_due - first_due) if recorded >= 2 and last_due > first_due else 0.0
-    report = _report(spec, config, live.trained, source, seconds, time.monotonic() - t0, samples, per_second, step_times,
-                     fps_played, released, underruns, recorded, faults, ended, error, failures, record, trace_path)
+    # whole seconds from the first frame to the session's end: a stall at the end counts, its seconds at 0 frames
+    whole = int(session_end - first_due + 1e-6) if first_due is not None else 0
+    report = _report(spec, config, live.trained, source, seconds, time.monotonic() - t0, samples, per_second, whole,
+                     step_times, fps_played, released, underruns, recorded, faults, ended, error, failures, record, trace_path)
     trace.write("end", **{k: report[k] for k in ("ended", "error", "restarts", "frames_recorded", "underruns", "fps")})
     trace.close()
+    report["trace_error"] = trace.error
     return report
 
 
@@ -319,11 +350,15 @@ def _outcome(fault: Fault, samples: list[dict], ended: str, until: float, failur
             d["detected_after_s"] = round(failure["at_s"] - fault.injected_at, 3)
             d["frames_again_after_s"] = round(failure["frames_again_at_s"] - fault.injected_at, 3)
             d["outcome"] = "reported; engine restarted; session went on"
+        elif "restarted_at_s" in failure:
+            d["detected_after_s"] = round(failure["at_s"] - fault.injected_at, 3)
+            d["outcome"] = "reported; engine restarted; no frames from it before the session's end"
         else:
             d["detected_after_s"] = round(failure["at_s"] - fault.injected_at, 3)
             d["outcome"] = "reported; session ended cleanly"
     elif fault.kind == "corrupt-audio":
-        d["outcome"] = "refused; session went on" if d.get("refused") and ended != "engine failure" else "NOT refused"
+        # refused or not is the push's own answer; whether frames followed is the session's
+        d["outcome"] = ("refused; session went on" if d["frames_after"] else "refused") if d.get("refused") else "NOT refused"
     else:
         recovered = bool(d["frames_after"]) and len(after) >= 2 and after[-1]["released"] > after[0]["released"]
         absorbed = d["underruns_after"] == 0
@@ -331,10 +366,11 @@ def _outcome(fault: Fault, samples: list[dict], ended: str, until: float, failur
             else "no frames after it"
 
 
-def _report(spec, config, trained, audio_source, seconds, wall, samples, per_second, step_times, fps, released, underruns,
-            recorded, faults, ended, error, failures, record, trace_path) -> dict:
-    # Seconds with no frame at all (a stalled or restarting engine) count as 0; the last is cut short by the end.
-    full = [per_second.get(k, 0) for k in range(max(per_second))] if per_second else []
+def _report(spec, config, trained, audio_source, seconds, wall, samples, per_second, whole_seconds, step_times, fps, released,
+            underruns, recorded, faults, ended, error, failures, record, trace_path) -> dict:
+    # Seconds with no frame at all (a stalled or restarting engine, to the very end) count as 0; the last, cut short by
+    # the end, is left out.
+    full = [per_second.get(k, 0) for k in range(whole_seconds)]
     warm = [s for s in samples if s["t"] >= min(10.0, 0.2 * seconds)]  # allocator warm-up left out of the slope
     host = [s["host_mb"] for s in samples]
     gpu = [s["gpu_mb"] for s in samples]
@@ -397,9 +433,12 @@ def main(argv: list[str] | None = None) -> int:
                       record=args.record, trace_path=args.trace, faults=faults, seed=args.seed, weights=args.weights,
                       look=args.preset, source=args.audio_source, restarts=args.restarts,
                       progress=lambda row: print(json.dumps(row), file=sys.stderr, flush=True))
-    except (ValueError, RuntimeError, OSError) as e:  # OSError: e.g. a recording file that cannot be made
+    except ValueError as e:  # bad arguments, found before or as the session starts
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (RuntimeError, OSError) as e:  # the engine could not start, or a file could not be made
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if not args.samples:
         report.pop("samples")
     print(json.dumps(report))

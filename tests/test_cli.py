@@ -236,3 +236,34 @@ def test_step_timing_collects_each_steady_steps_graph_times(monkeypatch):
     assert bench._graph_stats([{"graph_ms": 3.0, "launch_lag_ms": 0.2}, {"graph_ms": 1.0, "launch_lag_ms": 0.1},
                                {"graph_ms": 2.0, "launch_lag_ms": 0.3}], "_x") == {"step_graph_ms_x": 2.0,
                                                                                   "graph_launch_lag_ms_x": 0.2}
+
+
+@pytest.mark.parametrize("failure, code, message", [
+    (OSError(28, "No space left on device"), 1, "error: writing"),
+    (KeyboardInterrupt(), 130, "interrupted:"),
+])
+def test_generate_closes_its_engine_when_writing_fails_or_is_interrupted(tmp_path, monkeypatch, capsys, failure, code, message):
+    """The engine (its processes, or the torchrun group) is closed and the MP4's fragments kept, with one line saying
+    why, whether the disk fills or Ctrl-C comes."""
+    import engine.generate
+    from engine.media import Mp4Writer
+
+    closed, written = [], []
+    real_build = engine.generate.build_character
+
+    def build(*args, **kwargs):
+        character, trained, close = real_build(*args, **kwargs)
+        return character, trained, lambda: closed.append(close())
+
+    def write(self, rgb, pcm):
+        if len(written) == 8:
+            raise failure
+        written.append(1)
+
+    monkeypatch.setattr(engine.generate, "build_character", build)
+    monkeypatch.setattr(Mp4Writer, "write", write)
+    wav = tmp_path / "a.wav"
+    write_wav(wav, 1.0)
+    argv = ["--spec", "tiny", "--audio", str(wav), "--out", str(tmp_path / "o.mp4"), "--device", "cpu"]
+    assert engine.generate.main(argv) == code
+    assert closed and message in capsys.readouterr().err

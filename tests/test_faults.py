@@ -152,3 +152,21 @@ def test_a_message_lost_with_a_dying_process_names_the_process():
     with pytest.raises(RuntimeError, match="talkloop-decoder-0 died \\(exit code 3\\)"):
         engine._get(timeout=5)
     assert engine.closed
+
+
+def test_a_slow_step_waits_for_a_timed_step_to_be_a_multiple_of():
+    """A slow step is a multiple of the median step: armed before any step was timed (at 0 s, or just after a
+    restart) it waits for one, instead of adding nothing and being reported as absorbed."""
+    from collections import deque
+
+    from engine.faults import StepFaults
+
+    times: deque[float] = deque()
+    faults = StepFaults(times)
+    slow = parse_fault("slow-step@0:2")
+    faults.arm(slow)
+    faults(0)
+    assert slow.injected_at is None
+    times.append(0.01)
+    faults(1)
+    assert slow.injected_at is not None and slow.details["added_ms"] == pytest.approx(10.0)

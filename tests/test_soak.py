@@ -123,3 +123,69 @@ def test_recording_and_trace_survive_a_killed_process(tmp_path):
     assert events[0]["event"] == "start" and all(e["event"] != "end" for e in events)
     released = max(e["released"] for e in events if e["event"] == "second")
     assert mp4_frames(mp4) >= min(released, 48) - 24  # all but the fragment being written (1 s)
+
+
+def test_a_stall_that_lasts_to_the_end_counts_in_the_seconds_below_24_fps(tmp_path):
+    """The engine stalls from 2 s to past the end: those seconds had no frames and count, at 0 (they used to stop
+    at the last frame played, so the run read as all on time)."""
+    from engine.faults import parse_fault
+
+    r = soak(TINY, parse_config("fp8-cache"), seconds=6.0, speech_s=2.0, silence_s=1.0, source="synth",
+             faults=[parse_fault("exhaust-buffer@2:6")])
+    assert r["ended"] == "ran its time"
+    assert r["whole_seconds"] >= 4 and r["seconds_below_24fps"] >= 3, r
+
+
+def test_a_trace_that_cannot_be_written_costs_the_trace_not_the_soak():
+    r = soak(TINY, parse_config("fp8-cache"), seconds=2.0, speech_s=1.0, silence_s=1.0, trace_path="/dev/full",
+             source="synth")
+    assert r["ended"] == "ran its time" and r["frames_released"] > 0
+    assert "No space left on device" in r["trace_error"]
+
+
+def test_a_recording_that_fails_ends_the_session_with_its_report_and_trace(tmp_path, monkeypatch):
+    from engine.media import Mp4Writer
+
+    written = []
+    real_write = Mp4Writer.write
+
+    def write_until_the_disk_is_full(self, rgb, pcm):
+        if len(written) == 30:
+            raise OSError(28, "No space left on device")
+        written.append(1)
+        real_write(self, rgb, pcm)
+
+    monkeypatch.setattr(Mp4Writer, "write", write_until_the_disk_is_full)
+    mp4, trace = tmp_path / "soak.mp4", tmp_path / "soak.jsonl"
+    r = soak(TINY, parse_config("fp8-cache"), seconds=8.0, speech_s=2.0, silence_s=1.0, record=str(mp4),
+             trace_path=str(trace), source="synth")
+    assert r["ended"] == "recording failed" and "No space left on device" in r["error"]
+    assert mp4_frames(mp4) == 30  # the fragments written before stay playable
+    events = trace_lines(trace)
+    assert events[-1]["event"] == "end" and events[-1]["ended"] == "recording failed"
+
+
+def test_an_engine_that_cannot_start_exits_1_not_as_bad_arguments(monkeypatch, capsys):
+    import engine.soak
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("diffusion rank 0 failed: CUDA out of memory")
+
+    monkeypatch.setattr(engine.soak, "soak", fail)
+    assert main(["--spec", "tiny", "--seconds", "1"]) == 1
+    assert "CUDA out of memory" in capsys.readouterr().err
+
+
+def test_fault_outcomes_say_what_happened():
+    from engine.faults import parse_fault
+    from engine.soak import _outcome
+
+    samples = [{"t": float(t), "underruns": 0, "released": 24 * t} for t in range(12)]
+    corrupt = parse_fault("corrupt-audio@5")
+    corrupt.injected_at, corrupt.details["refused"] = 5.0, "audio contains NaN or infinite samples"
+    _outcome(corrupt, samples, "engine failure", float("inf"), [])  # a later, unrelated failure ended the session
+    assert corrupt.details["outcome"] == "refused; session went on"
+    kill = parse_fault("kill-decoder@10")
+    kill.injected_at = 10.0
+    _outcome(kill, samples, "ran its time", float("inf"), [{"at_s": 10.5, "error": "x", "restarted_at_s": 11.9}])
+    assert kill.details["outcome"] == "reported; engine restarted; no frames from it before the session's end"
