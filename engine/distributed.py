@@ -93,6 +93,18 @@ class Placement:
         return Placement(tuple(diffusion[:tp]), tuple(decoders))
 
 
+def end_process(p, wait_s: float = 5.0) -> None:
+    """Wait for a process told to exit; then SIGTERM; then, if it handles or ignores that (or is stuck in a driver
+    call), SIGKILL, which it cannot."""
+    p.join(timeout=wait_s)
+    if p.is_alive():
+        p.terminate()
+        p.join(timeout=wait_s)
+    if p.is_alive():
+        p.kill()
+        p.join(timeout=wait_s)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -441,10 +453,7 @@ class DistributedEngine:
             for q in self._commands:
                 q.put(("exit",))
             for p in self._decoders + self._ranks:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
+                end_process(p)
             for q in self._commands + self._latents:  # the queues this process writes to
                 # A process killed while it held a queue's write lock (a crash, or fault injection) never releases
                 # it: this process's feeder thread would wait for it forever, and Python joins feeder threads at

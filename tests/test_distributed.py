@@ -330,3 +330,21 @@ if __name__ == "__main__":
     for pid in left:  # do not leave them to the next test
         os.kill(pid, signal.SIGKILL)
     assert not left
+
+
+def _ignore_sigterm_and_wait() -> None:
+    import signal as _signal
+
+    _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
+    time.sleep(600)
+
+
+def test_a_worker_that_ignores_sigterm_is_still_ended():
+    from engine.distributed import end_process
+
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_ignore_sigterm_and_wait, daemon=True)
+    p.start()
+    time.sleep(2.0)  # its handler set
+    end_process(p, wait_s=1.0)
+    assert not p.is_alive() and p.exitcode == -9
