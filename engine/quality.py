@@ -315,6 +315,9 @@ def drift_verdict(report: dict, limits: dict | None = None) -> dict:
         reasons.append(f"sharpness changed by {fl['sharpness']['change'] / first_sharp:+.0%} (limit {lim['sharpness_change']:.0%})")
     rows = report["per_minute"]
     slope = float(np.polyfit([r["minute"] for r in rows], [r["score"] for r in rows], 1)[0]) if len(rows) >= 2 else 0.0
+    if len(rows) < 2:  # one minute is compared only with itself
+        return {"verdict": "too short to tell", "reasons": ["needs at least two minutes: the first against the last"],
+                "limits": lim, "score_slope_per_minute": slope, "minutes_compared": [rows[0]["minute"]] if rows else []}
     return {"verdict": "drifting" if reasons else "stable", "reasons": reasons, "limits": lim,
             "score_slope_per_minute": slope, "minutes_compared": [rows[0]["minute"], rows[-1]["minute"]]}
 
@@ -822,6 +825,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in presets:
                 ch.get_look(name)
             device = pick_device(args.device)
+            if Path(args.out).is_dir():
+                raise ValueError(f"--out {args.out} is a folder: give the PNG file to write, e.g. sheet.png")
             pcm = read_audio(args.audio, max_seconds=600)
             info = sheet(spec, pcm, presets, args.out, every=args.every, columns=args.columns, weights=args.weights,
                          device=str(device), seed=args.seed)

@@ -60,11 +60,14 @@ def slope_per_minute(times_s: list[float], values: list[float]) -> float | None:
 
 
 GROWTH_LIMIT_MB_PER_MIN = 1.0  # 10 MB over a 10-minute soak
+GROWTH_MIN_SPAN_S = 60.0  # a slope over less than this is mostly start-up (allocators, caches), not a trend
 
 
-def growth_verdict(slope_mb_per_min: float | None, limit: float = GROWTH_LIMIT_MB_PER_MIN) -> str:
-    """'no growth' while memory's slope stays within `limit` MB a minute; None slope: too few samples."""
-    if slope_mb_per_min is None:
+def growth_verdict(slope_mb_per_min: float | None, limit: float = GROWTH_LIMIT_MB_PER_MIN,
+                   span_s: float | None = None) -> str:
+    """'no growth' while memory's slope stays within `limit` MB a minute; too few samples, or (`span_s`) samples
+    over less than GROWTH_MIN_SPAN_S: too short to tell."""
+    if slope_mb_per_min is None or (span_s is not None and span_s < GROWTH_MIN_SPAN_S):
         return "too short to tell"
     return "no growth" if slope_mb_per_min <= limit else f"grows {slope_mb_per_min:.2f} MB per minute (limit {limit:g})"
 
@@ -376,6 +379,7 @@ def _report(spec, config, trained, audio_source, seconds, wall, samples, per_sec
     gpu = [s["gpu_mb"] for s in samples]
     host_slope = slope_per_minute([s["t"] for s in warm], [s["host_mb"] for s in warm])
     gpu_slope = slope_per_minute([s["t"] for s in warm], [s["gpu_mb"] for s in warm])
+    span = warm[-1]["t"] - warm[0]["t"] if warm else 0.0
     return {
         "spec": spec.name, "config": config.describe(), "trained_weights": trained, "audio_source": audio_source,
         "seconds_asked": seconds,
@@ -387,9 +391,10 @@ def _report(spec, config, trained, audio_source, seconds, wall, samples, per_sec
         "memory": {
             "host_mb_first": next((h for h in host if h is not None), None), "host_mb_last": host[-1] if host else None,
             "host_mb_max": max((h for h in host if h is not None), default=None),
-            "host_mb_per_minute": host_slope, "host_growth": growth_verdict(host_slope),
+            "host_mb_per_minute": host_slope, "host_growth": growth_verdict(host_slope, span_s=span),
             "gpu_mb_first": gpu[0] if gpu else None, "gpu_mb_last": gpu[-1] if gpu else None,
-            "gpu_mb_per_minute": gpu_slope, "gpu_growth": growth_verdict(gpu_slope) if any(g is not None for g in gpu) else None,
+            "gpu_mb_per_minute": gpu_slope,
+            "gpu_growth": growth_verdict(gpu_slope, span_s=span) if any(g is not None for g in gpu) else None,
             "slope_from_s": warm[0]["t"] if warm else None,
         },
         "faults": [f.report() for f in faults], "record": record, "trace": trace_path,

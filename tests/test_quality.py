@@ -273,6 +273,15 @@ def test_drift_verdict_names_what_moved():
     assert drift_verdict(report(-0.01, 1.0))["verdict"] == "stable"
     bad = drift_verdict(report(-0.2, 12.0))
     assert bad["verdict"] == "drifting" and len(bad["reasons"]) == 2 and bad["score_slope_per_minute"] == pytest.approx(-0.2)
+    one_minute = {**report(0.0, 0.0), "per_minute": [{"minute": 0, "score": 0.5}]}  # first and last are the same minute
+    assert drift_verdict(one_minute)["verdict"] == "too short to tell"
+
+
+def test_a_sheet_written_to_a_folder_is_refused_before_any_work(tmp_path, speech, capsys):
+    wav = tmp_path / "x.wav"
+    _write_wav(wav, speech[: 3 * SAMPLE_RATE])
+    assert main(["sheet", "--spec", "tiny", "--audio", str(wav), "--out", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
 
 
 def _one_push_frames(spec, pcm: np.ndarray, look: str, seed: int) -> np.ndarray:
