@@ -253,3 +253,19 @@ def test_ctrl_c_ends_a_wav_turn_with_status_130(monkeypatch, capsys, tmp_path):
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C escaped voice.__main__.main")
     assert json.loads(capsys.readouterr().out) == {"error": "interrupted"}
+
+
+def test_a_reply_path_the_command_cannot_write_is_refused_before_the_models_load(tmp_path, monkeypatch, capsys):
+    """--out is a .wav file in an existing folder, or an existing folder; anything else is named at once (it used
+    to create folders, and --out reply.mp3 became a folder holding reply.wav)."""
+    import voice.__main__ as cli
+
+    monkeypatch.setattr(cli, "run_wav_turn", lambda args: pytest.fail("the turn ran"))
+    wav = tmp_path / "q.wav"
+    wav.write_bytes(b"")
+    for out, message in ((tmp_path / "reply.mp3", "give a .wav file or an existing folder"),
+                         (tmp_path / "missing" / "reply.wav", "does not exist")):
+        assert cli.main(["--wav", str(wav), "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "reply.mp3").exists() and not (tmp_path / "missing").exists()
+    assert cli.reply_path(str(tmp_path)) == tmp_path / "reply.wav"

@@ -52,9 +52,7 @@ def run_wav_turn(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(turn.info.get("error", "the reply failed"))
         first_audio = turn.stamps.get("tts_first_audio")
         reply_audio = sink.audio(since=first_audio) if first_audio is not None else np.zeros(0, np.float32)
-        out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="talkloop-voice-"))
-        if out.suffix.lower() != ".wav":
-            out = out / "reply.wav"
+        out = reply_path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="talkloop-voice-")) / "reply.wav"
         write_wav(out, reply_audio, args.sample_rate)
         return {
             "input": str(args.wav),
@@ -73,6 +71,18 @@ def run_wav_turn(args: argparse.Namespace) -> dict[str, Any]:
         loop.close()
 
 
+def reply_path(out: str) -> Path:
+    """--out: an existing folder (the reply goes in it as reply.wav) or a .wav file in an existing folder."""
+    path = Path(out)
+    if path.is_dir():
+        return path / "reply.wav"
+    if path.suffix.lower() != ".wav":
+        raise ValueError(f"--out {out}: give a .wav file or an existing folder (the reply is written as WAV)")
+    if not path.resolve().parent.is_dir():
+        raise ValueError(f"--out {out}: folder {path.resolve().parent} does not exist")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m voice", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wav", required=True, help="the question, a WAV file (any rate, mono or stereo)")
@@ -83,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     add_loop_args(parser)
     args = parser.parse_args(argv)
     try:
+        if args.out:
+            reply_path(args.out)  # before the models load
         result = run_wav_turn(args)
     except KeyboardInterrupt:
         return report_failure("interrupted", args.json, EXIT_INTERRUPTED)
