@@ -208,14 +208,14 @@ def _device_for(placement: Placement, rank: int) -> torch.device:
 PARENT_POLL_S = 1.0  # how often a waiting worker checks that the process that started it is still there
 
 
-def _get_while_parent_lives(queue):
+def _get_while_parent_lives(source):
     """The queue's next item; the process exits if its parent died meanwhile. Killed outright (SIGKILL, the OOM
     killer, a timeout's SIGTERM) the parent never closes its engine, and a worker waiting on its queue would
     otherwise hold its GPU for good: the parent's end of the queue never closes in the worker, which holds it too."""
     parent = multiprocessing.parent_process()
     while True:
         try:
-            return queue.get(timeout=PARENT_POLL_S)
+            return source.get(timeout=PARENT_POLL_S)
         except queue.Empty:
             if parent is not None and not parent.is_alive():
                 os._exit(1)

@@ -348,3 +348,17 @@ def test_a_worker_that_ignores_sigterm_is_still_ended():
     time.sleep(2.0)  # its handler set
     end_process(p, wait_s=1.0)
     assert not p.is_alive() and p.exitcode == -9
+
+
+def test_workers_left_idle_with_their_parent_alive_stay_and_still_step():
+    """Idle for a few of the workers' parent checks (a spare engine waits for its session; a decoder waits while
+    the ranks load and compile), the engine is whole and steps."""
+    from engine.distributed import PARENT_POLL_S
+
+    with DistributedEngine(TINY, Placement(cpu_ranks=1), timeout=120) as engine:
+        time.sleep(3 * PARENT_POLL_S)
+        assert engine.alive()
+        engine.start(reference_latent(TINY))
+        engine.submit_step(torch.zeros(4, TINY.n_mels), 0)
+        index, frames = engine.next_frames()
+    assert index == 0 and frames.shape[0] == TINY.frames_per_latent
