@@ -215,6 +215,13 @@ def test_a_failed_or_unreadable_reply_is_an_error_naming_the_endpoint(server, re
     assert agent.url in str(caught.value)
 
 
+def test_a_stream_whose_last_choice_finished_is_whole_without_done(server):
+    """Some servers (older llama.cpp builds, ik_llama.cpp by default) end the stream after the chunk that gives the
+    finish_reason, with no [DONE]: that reply is whole."""
+    server.raw_reply = _sse(HELLO_EVENT, 'data: {"choices": [{"delta": {"content": " there."}, "finish_reason": "stop"}]}')
+    assert "".join(OpenAIChatAgent(base_url=server.url, api_key="").stream_reply("Hi")) == "Hello there."
+
+
 def test_a_whole_json_completion_is_taken_as_the_reply(server):
     """A server that ignores "stream": true answers with one chat completion."""
     completion = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "<think>Greet.</think>Hi there!"}}]}

@@ -319,7 +319,9 @@ def _sse_contents(lines: Iterable[bytes], url: str) -> Iterator[str]:
     """Text deltas of a chat-completions event stream, until [DONE].
 
     An error reported in the stream (llama.cpp sends an `error:` line, e.g. when the prompt is over the context
-    size) and a stream that ends before [DONE] raise RuntimeError: the reply is missing or cut short."""
+    size) and a stream that ends before [DONE] raise RuntimeError: the reply is missing or cut short. A stream
+    whose last choice gave its finish_reason is whole without [DONE] (some servers never send it)."""
+    finished = False
     for raw in lines:
         line = raw.decode("utf-8", "replace").strip()
         field, _, value = line.partition(":")
@@ -334,11 +336,13 @@ def _sse_contents(lines: Iterable[bytes], url: str) -> Iterator[str]:
         if "error" in event:
             raise RuntimeError(f"chat endpoint {url} error: {_error_message(event)}")
         for choice in _choices(event, url):
+            finished = finished or bool(choice.get("finish_reason"))
             delta = choice.get("delta")
             content = delta.get("content") if isinstance(delta, dict) else None
             if content:
                 yield str(content)
-    raise RuntimeError(f"chat endpoint {url} ended the stream before [DONE]: the reply is cut short")
+    if not finished:
+        raise RuntimeError(f"chat endpoint {url} ended the stream before [DONE]: the reply is cut short")
 
 
 def _json_or_text(text: str) -> object:
