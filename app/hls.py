@@ -62,10 +62,11 @@ class SegmentStream:
         """Paths of finished segments, until `close()` or the session's end (looked for every `poll_s` while no
         frame comes). No deadline for frames: a first step that compiles kernels or captures a CUDA graph may
         take minutes, and the player waits for it."""
-        index = 0
-        while not self._closed.is_set():
-            frames = []
-            while len(frames) < self.frames_per_segment and not self._closed.is_set():
+        index, carried = 0, []
+        while True:
+            # one frame more than a segment holds: it tells this segment is not the session's last
+            frames, carried = carried, []
+            while len(frames) <= self.frames_per_segment and not self._closed.is_set():
                 try:
                     frames.append(self._queue.get(timeout=poll_s))
                 except queue.Empty:
@@ -73,20 +74,23 @@ class SegmentStream:
                         self._closed.set()
             if not frames:
                 return
+            frames, carried = frames[:self.frames_per_segment], frames[self.frames_per_segment:]
             path = self.folder / f"segment_{index:05d}.ts"
-            self._write(path, frames)
+            self._write(path, frames, last=self._closed.is_set() and not carried)
             index += 1
             self._written.append(path)
             while len(self._written) > self.keep:  # the player has long fetched these
                 self._written.pop(0).unlink(missing_ok=True)
             yield str(path)
 
-    def _write(self, path: Path, frames: list[AVFrame]) -> None:
+    def _write(self, path: Path, frames: list[AVFrame], last: bool = False) -> None:
         with Mp4Writer(path, self.fps, frames[0].rgb.shape[:2], container_format="mpegts",
                        first_frame=self._frames_written, first_sample=self._samples_written,
                        audio_encoder=self._audio_encoder) as writer:
             for frame in frames:
                 writer.write(frame.rgb, frame.pcm)
+            if last:  # the audio the shared encoder still holds goes into the last segment
+                writer.flush_audio_encoder()
         self._frames_written, self._samples_written = writer.frames, writer.samples  # running on from this segment
 
 

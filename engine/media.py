@@ -102,6 +102,12 @@ class Mp4Writer:
                 packet.stream = self.audio
                 self.container.mux(packet)
 
+    def flush_audio_encoder(self) -> None:
+        """The shared `audio_encoder`'s remaining audio into this file: for the last of the files it runs across."""
+        for packet in self.audio_encoder.encode(None):
+            packet.stream = self.audio
+            self.container.mux(packet)
+
     def close(self) -> None:
         for stream in (self.video, self.audio) if self.audio_encoder is None else (self.video,):
             for packet in stream.encode(None):

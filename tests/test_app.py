@@ -565,12 +565,13 @@ def test_hls_stream_waits_for_a_slow_first_step_and_ends_with_the_session(tmp_pa
     waiting = threading.Thread(target=lambda: first.append(next(segments, None)))
     waiting.start()
     time.sleep(0.5)  # ten looks and no frame yet
-    for i in range(12):
+    for i in range(13):  # a segment's 12, and the next frame, which tells the segment is not the last
         stream._on_frame(AVFrame(i, np.zeros((32, 32, 3), np.uint8), np.zeros(SAMPLE_RATE // 24, np.float32), False), 0.0)
     waiting.join(10)
     assert first and first[0] is not None and first[0].endswith("segment_00000.ts")
     live.closed.set()
-    assert next(segments, None) is None  # the session ended: so does the stream
+    rest = list(segments)  # the session ended: its last frame makes the last segment, and the stream ends
+    assert len(rest) == 1 and rest[0].endswith("segment_00001.ts")
     stream.close()
 
 
@@ -598,6 +599,32 @@ def test_hls_segments_audio_joins_without_overlap_or_gap(tmp_path):
             spans.append((packets[0].pts, packets[-1].pts + packets[-1].duration))
     for (_, end), (start, _) in zip(spans, spans[1:]):
         assert start == end  # in 1/90000 s
+
+
+def test_the_last_hls_segment_carries_the_audio_to_the_end(tmp_path):
+    """The shared AAC encoder holds its last ~1024 samples until flushed: the session's last segment gets them, so
+    its audio runs as long as its video."""
+    import av
+
+    from app.hls import SegmentStream
+    from engine.audio import SAMPLE_RATE
+    from engine.realtime import AVFrame
+
+    live = FakeLive()
+    stream = SegmentStream(live, tmp_path, 24, seconds=0.5)
+    per_frame = SAMPLE_RATE // 24
+    for i in range(24):
+        stream._on_frame(AVFrame(i, np.zeros((32, 32, 3), np.uint8), np.full(per_frame, 0.1, np.float32), True), 0.0)
+    live.closed.set()  # the session ended after its 24th frame
+    paths = list(stream.segments(0.1))
+    assert len(paths) == 2
+    with av.open(paths[-1]) as container:
+        video = [p for p in container.demux(video=0) if p.pts is not None]
+    with av.open(paths[-1]) as container:
+        audio = [p for p in container.demux(audio=0) if p.pts is not None]
+    video_end = max(p.pts + p.duration for p in video) * float(video[0].time_base)
+    audio_end = max(p.pts + p.duration for p in audio) * float(audio[0].time_base)
+    assert audio_end >= video_end - 0.01, (audio_end, video_end)
 
 
 def test_the_voice_track_sends_one_opus_packet_per_frame_on_the_frames_clock():
