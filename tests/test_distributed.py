@@ -332,10 +332,11 @@ if __name__ == "__main__":
     assert not left
 
 
-def _ignore_sigterm_and_wait() -> None:
+def _ignore_sigterm_and_wait(ready) -> None:
     import signal as _signal
 
     _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
+    ready.set()
     time.sleep(600)
 
 
@@ -343,9 +344,10 @@ def test_a_worker_that_ignores_sigterm_is_still_ended():
     from engine.distributed import end_process
 
     ctx = mp.get_context("spawn")
-    p = ctx.Process(target=_ignore_sigterm_and_wait, daemon=True)
+    ready = ctx.Event()
+    p = ctx.Process(target=_ignore_sigterm_and_wait, args=(ready,), daemon=True)
     p.start()
-    time.sleep(2.0)  # its handler set
+    assert ready.wait(60)  # its handler set
     end_process(p, wait_s=1.0)
     assert not p.is_alive() and p.exitcode == -9
 
