@@ -475,6 +475,9 @@ def check_config(config: EngineConfig, spec=None) -> None:
         raise ValueError(f"config {c.name}: gemm=fp8-fast needs a CUDA GPU (fast accumulation is a tensor-core mode)")
     if c.device.startswith("cuda") and not gpu:
         raise ValueError(f"config {c.name}: device {c.device} asked for, but no CUDA GPU is visible")
+    if (c.processes or c.tp > 1) and c.device.startswith("cuda:") and int(c.device[5:]) != 0:
+        raise ValueError(f"config {c.name}: the engine's own processes take GPUs 0..{max(c.tp, 1) - 1}, not {c.device} "
+                         "(pick the GPUs with CUDA_VISIBLE_DEVICES)")
     if c.decoder_gpu is not None:
         if not (c.processes or c.tp > 1) or not on_cuda:
             raise ValueError(f"config {c.name}: decoder_gpu needs the engine's own processes on CUDA (processes=true or tp >= 2)")

@@ -155,6 +155,15 @@ def test_bad_configs_are_named(text, message):
         parse_config(text)
 
 
+def test_engine_processes_on_a_gpu_other_than_0_are_refused(monkeypatch):
+    """The engine's own processes take GPUs 0..tp-1: device=cuda:1 with them would run on GPU 0 unsaid."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="take GPUs 0..0, not cuda:1"):
+        parse_config("fp8-cache,processes=true,device=cuda:1")
+    assert parse_config("fp8-cache,device=cuda:1").device == "cuda:1"  # in-process: that GPU
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_cuda_graph_on_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA GPU"):
