@@ -37,9 +37,12 @@ def test_one_chunk_per_sentence(tts):
 
 
 def test_speech_is_intelligible(tts):
-    audio = resample(tts.synthesize_all("The red apple is on the table."), tts.sample_rate, 16000)
-    text = WhisperASR(device="cpu").transcribe(audio).lower()
-    assert "apple" in text and "table" in text
+    """Piper samples its voice (the model's noise), so one take in a few dozen can blur a word ("the red out-old is
+    on the table" was heard once): two takes of three must be heard right."""
+    asr = WhisperASR(device="cpu")
+    heard = [asr.transcribe(resample(tts.synthesize_all("The red apple is on the table."), tts.sample_rate, 16000)).lower()
+             for _ in range(3)]
+    assert sum("apple" in text and "table" in text for text in heard) >= 2, heard
 
 
 def test_splitter_releases_sentences_as_soon_as_they_are_complete():
