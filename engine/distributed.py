@@ -84,9 +84,9 @@ class Placement:
         if not decoders and len(chosen) >= 2:
             decoders = [chosen[-1]]
         diffusion = [g for g in chosen if g not in decoders] or chosen[:1]
-        tp = max(d for d in range(1, len(diffusion) + 1) if n_heads % d == 0 and mlp_hidden % d == 0)
+        fits = [d for d in range(1, len(diffusion) + 1) if n_heads % d == 0 and mlp_hidden % d == 0]
+        tp = max(fits)
         if gpus is not None and decoder_gpus is not None and tp != len(diffusion):
-            fits = [d for d in range(1, len(diffusion) + 1) if n_heads % d == 0 and mlp_hidden % d == 0]
             raise ValueError(f"{len(diffusion)} diffusion GPUs cannot split {n_heads} heads and an MLP width of {mlp_hidden} "
                              f"evenly; give {' or '.join(map(str, fits))} diffusion GPU(s)")
         decoders += [g for g in diffusion[tp:] if g not in decoders]

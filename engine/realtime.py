@@ -257,8 +257,8 @@ class RealtimeCharacter:
         every frame not yet released, so that the next steps' audio context holds no speech that was never heard."""
         with self._lock:
             self._clears += 1
-            unheard_from, _ = self._next_release()
-            self.timeline.clear_from(min(unheard_from, max(self.steps.next_frame, self._unsubmitted)))
+            unheard_from, _ = self._next_release()  # never past the next frame not yet submitted
+            self.timeline.clear_from(unheard_from)
             self._pending = deque((first, [np.zeros_like(p) for p in pcms]) for first, pcms in self._pending)
         self.playout.map_waiting(_silenced)
 
