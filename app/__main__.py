@@ -28,11 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config_path, overrides = parse_args(argv)
     from app.controller import Controller
-    from app.server import check_can_listen, serve
+    from app.server import check_can_listen, recordings_folder, serve
 
     try:
         config = build_config(config_path, overrides)
         check_can_listen(config.host, config.port)  # before the models load (uvicorn still reports a port taken since)
+        recordings_folder(config.recordings_dir)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

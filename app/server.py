@@ -76,10 +76,22 @@ def build_app(controller: Controller):
 
     from app.ui import build_ui
 
-    recordings = Path(controller.config.recordings_dir).expanduser()
-    recordings.mkdir(parents=True, exist_ok=True)
+    recordings = recordings_folder(controller.config.recordings_dir)
     with contextlib.redirect_stdout(sys.stderr):  # mount_gradio_app prints; stdout is for --json output
         return gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)])
+
+
+def recordings_folder(recordings_dir: str) -> Path:
+    """The recordings folder, made if missing (replay lists it whether or not this run records); a ValueError
+    naming the setting when it cannot be one."""
+    path = Path(recordings_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"recordings_dir {str(path)!r} is a file, not a folder; choose another with --recordings-dir") from None
+    except OSError as e:  # a file where a parent folder should be, no permission, a read-only disk
+        raise ValueError(f"recordings_dir {str(path)!r} cannot be made: {e.strerror}; choose another with --recordings-dir") from None
+    return path
 
 
 def check_can_listen(host: str, port: int) -> None:
@@ -106,12 +118,12 @@ def serve(controller: Controller) -> None:
     """Run until interrupted (Ctrl-C / SIGTERM), then close everything."""
     import uvicorn
 
-    app = build_app(controller)
-    server = uvicorn.Server(uvicorn.Config(app, host=controller.config.host, port=controller.config.port, log_level="warning"))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal under the handler
     # that was there before: make that an ordinary exit so the engine and voice loop are closed below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
+    try:  # the engine and voice loop are already up: closed below however building the page or serving ends
+        app = build_app(controller)
+        server = uvicorn.Server(uvicorn.Config(app, host=controller.config.host, port=controller.config.port, log_level="warning"))
         server.run()
     except KeyboardInterrupt:
         pass

@@ -106,6 +106,43 @@ def test_a_port_in_use_is_named_before_the_models_load(tmp_path):
     assert "talkloop: http" not in out.stderr  # no Controller was built
 
 
+def test_a_recordings_dir_that_cannot_be_a_folder_is_named_before_the_models_load(tmp_path):
+    import socket
+
+    from app.server import recordings_folder
+
+    (tmp_path / "rec").write_text("a file where the recordings should go")
+    with socket.socket() as probe:  # a port free now, so that the port check passes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "app", "--spec", "tiny", "--device", "cpu", "--port", str(port),
+                          "--recordings-dir", str(tmp_path / "rec")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and f"recordings_dir '{tmp_path / 'rec'}' is a file, not a folder" in out.stderr, out.stderr[-2000:]
+    assert "talkloop: http" not in out.stderr  # no Controller was built
+    with pytest.raises(ValueError, match="recordings_dir .*/rec/sessions' cannot be made"):  # a file where a parent should be
+        recordings_folder(str(tmp_path / "rec" / "sessions"))
+    assert recordings_folder(str(tmp_path / "new" / "rec")).is_dir()
+
+
+def test_serve_closes_the_engine_and_voice_loop_when_the_page_cannot_be_built(monkeypatch):
+    from app import server
+
+    closed = []
+
+    class Controller:
+        def close(self):
+            closed.append(True)
+
+    def no_page(controller):
+        raise RuntimeError("gradio failed")
+
+    monkeypatch.setattr(server, "build_app", no_page)
+    monkeypatch.setattr(server.signal, "signal", lambda *a: None)  # leave this process's SIGTERM handler alone
+    with pytest.raises(RuntimeError, match="gradio failed"):
+        server.serve(Controller())
+    assert closed == [True]
+
+
 # Latency panel -------------------------------------------------------------------------------------
 def _record(turn_id: int, base: float, gaps: list[float], text: str = "hello") -> dict:
     names = ["last_voiced_audio", "speech_end", "asr_done", "reply_first_text", "tts_first_audio",
