@@ -145,7 +145,7 @@ class Controller:
     def failures(self) -> list[str]:
         shown = self.shown()
         found = [self.engine_error, self.voice_error, self.mic_error, self.client_error,
-                 shown.failure if shown else None,
+                 shown.failure if shown else None, *(shown.stop_errors if shown else ()),
                  shown.recorder.error if shown and shown.recorder else None,
                  shown.voice.trace.error if shown and shown.voice else None]
         return [f for f in found if f]
@@ -175,6 +175,8 @@ class Controller:
         return out
 
     def close(self) -> None:
-        self.stop()
-        if self.host is not None:
-            self.host.close()
+        try:
+            self.stop()
+        finally:  # the engine's processes end with the app whatever stopping the session raised
+            if self.host is not None:
+                self.host.close()

@@ -75,8 +75,9 @@ class LiveSession:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     voice: VoiceLoop | None = None
     transcript: list[TranscriptLine] = field(default_factory=list)
-    failure: str | None = None
+    failure: str | None = None  # why the session ended early (the engine stopped)
     stats: dict | None = None
+    stop_errors: list[str] = field(default_factory=list)  # what failed while stop() closed the session
     started: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -207,25 +208,34 @@ class LiveSession:
 
     # Stop ---------------------------------------------------------------------------------------
     def stop(self, session_log: str | None) -> dict:
-        """Stop voice, engine and pump; the engine's figures go to the session log; the recording is closed."""
+        """Stop voice, engine and pump; the engine's figures go to the session log; the recording is closed.
+        Each step runs whatever the one before it raised: what failed is kept in `stop_errors`, never raised."""
         if self.stats is not None:
             return self.stats
         self.stopping.set()
-        if self.voice is not None:
-            try:
-                self.voice.close()
-            except Exception:  # the character, engine and recording are closed all the same
-                log.exception("closing the voice loop failed")
         try:
-            self.stats = self.character.stop(session_log=session_log)
-        except Exception as e:  # the session log must not stop the shutdown
-            log.exception("stopping the character failed")
-            self.stats = {"error": str(e)}
-        if self._pump is not None:
-            self._pump.join(timeout=5)
-        if self.engine is not None:
-            self.engine.close()
-        if self.recorder is not None:
-            self.recorder.close(self.stats)
-        self.closed.set()
+            if self.voice is not None:
+                self._stop_step("closing the voice loop", self.voice.close)
+            try:
+                self.stats = self.character.stop(session_log=session_log)
+            except Exception as e:  # the session log must not stop the shutdown
+                log.exception("stopping the character failed")
+                self.stop_errors.append(f"stopping the character failed: {e}")
+                self.stats = {"error": str(e)}
+            if self._pump is not None:
+                self._stop_step("waiting for the frame pump", lambda: self._pump.join(timeout=5))
+            if self.engine is not None:
+                self._stop_step("closing the engine", self.engine.close)
+            if self.recorder is not None:
+                failure = "; ".join(f for f in (self.failure, *self.stop_errors) if f) or None
+                self._stop_step("closing the recording", lambda: self.recorder.close(self.stats, failure))
+        finally:
+            self.closed.set()  # the HLS stream waits on it
         return self.stats
+
+    def _stop_step(self, what: str, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except Exception as e:  # the steps after this one still run
+            log.exception("%s failed", what)
+            self.stop_errors.append(f"{what} failed: {e}")

@@ -7,8 +7,10 @@ and each trace or transcript line is flushed, so a crash keeps all but the last 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +36,12 @@ class SessionRecorder:
     def _write_meta(self) -> None:
         # whole or not at all: a crash while it is rewritten at close keeps the one written at the start
         tmp = self.folder / (META + ".tmp")
-        tmp.write_text(json.dumps(self.meta, indent=2) + "\n")
-        tmp.replace(self.folder / META)
+        try:
+            tmp.write_text(json.dumps(self.meta, indent=2) + "\n")
+            tmp.replace(self.folder / META)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def write_frame(self, rgb, pcm) -> None:
         if self.video is None:
@@ -43,15 +49,28 @@ class SessionRecorder:
         try:
             self.video.write(rgb, pcm)
         except Exception as e:  # a full disk ends the video, not the conversation
-            self.error = f"recording stopped: {e}"
+            self.error = self.error or f"recording stopped: {e}"
             log.exception("recording failed")
             self._close_video()
 
     def add_line(self, role: str, turn_id: int, text: str, interrupted: bool = False) -> None:
+        """Append one line to the transcript. An I/O error (a full disk) is kept in `error`, not raised: the
+        conversation goes on."""
         row = {"t": round(time.time(), 3), "turn_id": turn_id, "role": role, "text": text, **({"interrupted": True} if interrupted else {})}
-        with open(self.folder / TRANSCRIPT, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        path = self.folder / TRANSCRIPT
+        try:
+            with open(path, "a+b") as f:
+                # The file may end inside a line (a write cut short, here or in an earlier process): start on
+                # a line of its own, so that only the cut line is lost.
+                cut = False
+                if f.seek(0, io.SEEK_END) > 0:
+                    f.seek(-1, io.SEEK_END)
+                    cut = f.read(1) != b"\n"
+                f.write((b"\n" if cut else b"") + (json.dumps(row) + "\n").encode("utf-8"))
+                f.flush()
+        except OSError as e:
+            log.error("transcript not written to %s: %s", path, e)
+            self.error = self.error or f"transcript not written to {path}: {e}"
 
     def _close_video(self) -> None:
         video, self.video = self.video, None
@@ -61,10 +80,16 @@ class SessionRecorder:
             except Exception as e:
                 self.error = self.error or f"recording could not be finished: {e}"
 
-    def close(self, stats: dict[str, Any] | None = None) -> Path:
+    def close(self, stats: dict[str, Any] | None = None, failure: str | None = None) -> Path:
+        """Finish the video and rewrite session.json with the engine's figures and why the session ended
+        (`failure`, None for a plain stop). Never raises for an I/O error: it is kept in `error`."""
         self._close_video()
-        self.meta.update(ended=time.time(), engine=stats or {}, error=self.error)
-        self._write_meta()
+        self.meta.update(ended=time.time(), engine=stats or {}, failure=failure, error=self.error)
+        try:
+            self._write_meta()
+        except OSError as e:  # the session.json written at the start stays, whole
+            log.error("session.json not rewritten in %s: %s", self.folder, e)
+            self.error = self.error or f"session.json not rewritten in {self.folder}: {e}"
         return self.folder
 
 
@@ -88,31 +113,58 @@ class Recording:
         return self.folder / VIDEO
 
     def trace(self) -> list[dict[str, Any]]:
+        """The turn records in turn order. Records whose turn_id is not a whole number or whose stamps are not
+        numbers (a damaged file) are skipped, and their count logged, as read_jsonl does for unreadable lines."""
         from voice.trace import read_jsonl
 
         path = self.folder / TRACE
-        return sorted(read_jsonl(path), key=lambda r: int(r["turn_id"])) if path.is_file() else []
+        if not path.is_file():
+            return []
+        records = read_jsonl(path)
+        usable = [r for r in records if _is_int(r.get("turn_id")) and _are_stamps(r.get("stamps"))]
+        if len(usable) < len(records):
+            log.warning("%s: skipped %d turn record(s) whose turn_id is not a whole number or whose stamps are "
+                        "not numbers", path, len(records) - len(usable))
+        return sorted(usable, key=lambda r: r["turn_id"])
 
     def transcript(self) -> list[dict[str, Any]]:
         """The transcript's lines in order; where a turn's reply was written again (cut back after a barge-in),
-        the last line of it, in the place of the first."""
+        the last line of it, in the place of the first. Lines that are not a transcript line (one cut short by a
+        crash or a full disk, a damaged one) are skipped, and their count logged."""
         path = self.folder / TRANSCRIPT
         if not path.is_file():
             return []
         lines: dict[tuple, dict[str, Any]] = {}
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        skipped = 0
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines()):
+            if not line.strip():
+                continue
             try:
                 row = json.loads(line)
             except ValueError:
-                continue  # a line cut short by a crash
-            if not isinstance(row, dict):
+                row = None
+            if not (isinstance(row, dict) and _is_int(row.get("turn_id"))
+                    and isinstance(row.get("role"), str) and isinstance(row.get("text"), str)):
+                skipped += 1
                 continue
-            key = (row.get("turn_id"), row.get("role")) if row.get("role") == "assistant" else (n,)
+            key = (row["turn_id"], row["role"]) if row["role"] == "assistant" else (n,)
             if key in lines:
                 lines[key].update(row)
             else:
                 lines[key] = row
+        if skipped:
+            log.warning("%s: skipped %d line(s) that are not transcript lines", path, skipped)
         return list(lines.values())
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _are_stamps(stamps: Any) -> bool:
+    """A turn record's stamps: names to finite numbers of seconds."""
+    return isinstance(stamps, dict) and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in stamps.values())
 
 
 def list_recordings(root: str | Path) -> list[Recording]:
@@ -122,7 +174,11 @@ def list_recordings(root: str | Path) -> list[Recording]:
         return []
     out = []
     for folder in sorted(root.iterdir(), reverse=True):
-        if not (folder / VIDEO).is_file():
+        try:
+            if not (folder / VIDEO).is_file():
+                continue
+        except OSError as e:  # a folder this user cannot enter (made by another user): left out, not fatal
+            log.warning("recording %s left out: %s", folder, e)
             continue
         try:
             meta = json.loads((folder / META).read_text())
