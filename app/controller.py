@@ -104,8 +104,12 @@ class Controller:
         with self._lock:
             live, self.live = self.live, None
             if self.local_mic is not None:
-                self.local_mic.close()
-                self.local_mic = None
+                mic, self.local_mic = self.local_mic, None
+                try:
+                    mic.close()
+                except Exception as e:  # a sound device unplugged: the session is stopped all the same
+                    log.exception("closing the local microphone failed")
+                    self.mic_error = f"closing the local microphone failed: {e}"
             if live is None:
                 return None
             self.last = live  # shown (stopping, stopped or failed) from now on

@@ -214,3 +214,26 @@ def test_why_a_session_ended_is_kept_in_its_session_json(tmp_path):
     live.stop(None)
     [rec] = list_recordings(tmp_path / "ok")
     assert rec.meta["failure"] is None and rec.meta["ended"] > 0
+
+
+def test_a_microphone_that_fails_to_close_does_not_keep_the_session_running(tmp_path):
+    from app.config import build_config
+    from app.controller import Controller
+
+    config = build_config(None, {"spec": "tiny", "device": "cpu", "recordings_dir": str(tmp_path / "rec"),
+                                 "session_log": str(tmp_path / "sessions.jsonl"), "asr_model": str(tmp_path / "no-model")})
+    controller = Controller(config)
+    try:
+        live = controller.start("ada", record=True)
+
+        class UnpluggedMic:
+            def close(self) -> None:
+                raise OSError("PortAudio: device unavailable")
+
+        controller.local_mic = UnpluggedMic()
+        controller.stop()
+        assert live.closed.is_set() and live.stats is not None  # the session, its log and recording are closed
+        assert controller.local_mic is None
+        assert any("closing the local microphone failed: PortAudio: device unavailable" in f for f in controller.failures())
+    finally:
+        controller.close()
