@@ -7,7 +7,6 @@ and each trace or transcript line is flushed, so a crash keeps all but the last 
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.media import Mp4Writer
+from engine.sessions import append_line
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,8 @@ class SessionRecorder:
         conversation goes on."""
         row = {"t": round(time.time(), 3), "turn_id": turn_id, "role": role, "text": text, **({"interrupted": True} if interrupted else {})}
         path = self.folder / TRANSCRIPT
-        try:
-            with open(path, "a+b") as f:
-                # The file may end inside a line (a write cut short, here or in an earlier process): start on
-                # a line of its own, so that only the cut line is lost.
-                cut = False
-                if f.seek(0, io.SEEK_END) > 0:
-                    f.seek(-1, io.SEEK_END)
-                    cut = f.read(1) != b"\n"
-                f.write((b"\n" if cut else b"") + (json.dumps(row) + "\n").encode("utf-8"))
-                f.flush()
+        try:  # after a line cut short (a full disk, here or in an earlier process), on a line of its own
+            append_line(path, json.dumps(row) + "\n")
         except OSError as e:
             log.error("transcript not written to %s: %s", path, e)
             self.error = self.error or f"transcript not written to {path}: {e}"

@@ -82,6 +82,7 @@ class Mp4Writer:
         self.sample_rate = sample_rate
         self.frames = first_frame  # the next video frame's timestamp, in frames
         self.samples = first_sample  # the next audio frame's timestamp, in samples
+        self._closed = False
 
     def write(self, rgb: np.ndarray, pcm: np.ndarray) -> None:
         vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
@@ -109,9 +110,21 @@ class Mp4Writer:
             self.container.mux(packet)
 
     def close(self) -> None:
-        for stream in (self.video, self.audio) if self.audio_encoder is None else (self.video,):
-            for packet in stream.encode(None):
-                self.container.mux(packet)
+        """Flush the encoders and close the file; closing twice is harmless. The file is closed whatever the flush
+        raised (a full disk): PyAV's finaliser would not close it, so its descriptor and blocks would stay held."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for stream in (self.video, self.audio) if self.audio_encoder is None else (self.video,):
+                for packet in stream.encode(None):
+                    self.container.mux(packet)
+        except BaseException as flush_error:
+            try:
+                self.container.close()
+            except (OSError, av.error.FFmpegError) as close_error:  # the flush's error is the one to raise
+                flush_error.add_note(f"closing {self.path} failed too: {close_error}")
+            raise
         self.container.close()
 
     def __enter__(self) -> "Mp4Writer":

@@ -209,7 +209,8 @@ class RealtimeCharacter:
         self._thread.start()
 
     def stop(self, session_log: str | None = None) -> dict:
-        """Stop the loop; the session's figures are appended to `session_log` when given. Returns them."""
+        """Stop the loop; the session's figures are appended to `session_log` when given. Returns them; a log that
+        cannot be written is named in their "session_log_error", not raised."""
         self._running.clear()
         self.playout.close()
         still_running = False
@@ -226,7 +227,11 @@ class RealtimeCharacter:
         if session_log is not None:
             from engine.sessions import record_session
 
-            record_session(stats, session_log)
+            try:
+                record_session(stats, session_log)
+            except OSError as e:  # a full disk or a bad log path costs the log line, not the figures returned
+                stats["session_log_error"] = f"session figures not written to {session_log}: {e}"
+                log.error("%s", stats["session_log_error"])
         return stats
 
     def push_audio(self, pcm: np.ndarray, sample_rate: int) -> float:

@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 
 def default_log() -> Path:
@@ -29,10 +30,28 @@ def record_session(stats: dict, path: str | Path | None = None) -> Path:
     """Append one session's figures (seconds, frames released, fps, underruns...) as a JSON line."""
     path = Path(path) if path is not None else default_log()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps({"ended": time.time(), **stats}) + "\n")
-        f.flush()
+    append_line(path, json.dumps({"ended": time.time(), **stats}) + "\n")
     return path
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append `line` (ending in a line break) to a JSON-lines file and flush it. An earlier write may have left
+    the file ending inside a line (its process died, or the disk filled, mid-write): appended to that fragment,
+    this line would be unreadable too, so it then starts on a line of its own."""
+    with open(path, "a+b") as f:
+        if _ends_inside_a_line(f):
+            line = "\n" + line
+        f.write(line.encode("utf-8"))
+        f.flush()
+
+
+def _ends_inside_a_line(f: BinaryIO) -> bool:
+    """Whether the readable file `f` is non-empty and its last byte is not a line break."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return False
+    f.seek(end - 1)
+    return f.read(1) != b"\n"
 
 
 def summarize(path: str | Path, fps: float = 24.0, min_seconds: float = 1.0, tolerance: float = 1e-3) -> dict:

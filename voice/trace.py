@@ -102,6 +102,8 @@ class SessionTrace:
         self._line_open = False  # a write failed part-way: the file may end inside a line
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            # so may a file an earlier run appended to when it died or filled the disk
+            self._line_open = _ends_inside_a_line(self.path)
 
     def new_turn(self) -> TurnTrace:
         with self._lock:
@@ -142,6 +144,20 @@ class SessionTrace:
                 if self.error is None:
                     self.error = f"turn trace not written to {self.path}: {e}"
                     log.error("%s", self.error)
+
+
+def _ends_inside_a_line(path: Path) -> bool:
+    """Whether the file at `path` is non-empty and its last byte is not a line break. A file that cannot be read
+    (none yet, a folder) says no: writing to it reports its own error."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end == 0:
+                return False
+            f.seek(end - 1)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
