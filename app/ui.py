@@ -36,6 +36,8 @@ STAGE_HTML = """
   <div id="tl-status">press Start and talk</div>
 </div>
 """
+REPLAY_CACHE_CLEANUP = (3600, 86400)  # Gradio's delete_cache: every hour, the cached files over a day old
+
 HEAD = '<link rel="stylesheet" href="/talkloop/static/talkloop.css"><script src="/talkloop/static/talkloop.js"></script>'
 
 
@@ -123,7 +125,10 @@ def build_ui(controller: Controller) -> gr.Blocks:
 
     # System fonts: the default theme would fetch web fonts, and the app reaches no one outside.
     theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
-    with _gradio6_notices_silenced(), gr.Blocks(title="talkloop", analytics_enabled=False, head=HEAD, theme=theme) as demo:
+    # Gradio copies each replayed recording into its cache (again while the recording is still being written):
+    # copies a day old go, checked hourly, so that replays over days do not fill the disk
+    with _gradio6_notices_silenced(), gr.Blocks(title="talkloop", analytics_enabled=False, head=HEAD, theme=theme,
+                                                delete_cache=REPLAY_CACHE_CLEANUP) as demo:
         gr.Markdown("# talkloop: talk to the character")
         with gr.Tab("Live"):
             with gr.Row():

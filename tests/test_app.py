@@ -552,7 +552,8 @@ def test_hls_fallback_streams_the_live_session_as_playable_segments(tmp_path):
 
     controller = Controller(_config(tmp_path, transport="hls"))
     try:
-        assert build_ui(controller) is not None
+        demo = build_ui(controller)
+        assert demo.delete_cache == (3600, 86400)  # replayed recordings' cached copies do not pile up
         controller.start("ada", False)
         segments = LiveSegments(controller, 24, root=tmp_path / "hls")
         stream = segments.stream()
