@@ -159,12 +159,16 @@ def test_e4m3_bits_are_within_7_5_percent_of_2_to_the_x_over_e4m3_s_normal_range
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_e4m3_bits_and_tensor_core_row_sums_leave_the_special_function_unit_the_rescale_factors(block_m):
     """row_sum="tensor" adds a P·1 product with 8 columns (m64n8k32) beside P·V and drops the adds of P;
-    exp2="e4m3_bits" computes P by saturating FMAs, leaving ex2 to the rescale factors."""
+    exp2="e4m3_bits" computes P by one FMA a probability, a pair converted to f16x2 and clamped at once, leaving ex2
+    to the rescale factors; one byte permute makes each register of P·V's operand, 4 probabilities of a row."""
     build = lambda **kw: compile_for_hopper(128, block_m=block_m, block_n=128, stages=2, **kw).asm["ptx"]
     plain, summed, bits = build(), build(row_sum="tensor"), build(row_sum="tensor", exp2="e4m3_bits")
     assert "m64n8k32" not in plain and "m64n8k32" in summed and "m64n8k32" in bits
     assert plain.count("add.f32") - summed.count("add.f32") >= 2 * 62 * (block_m // 64)  # 2 rows of 32 a thread, two sites
-    assert "fma.rn.sat.f32" in bits and "fma.rn.sat.f32" not in summed
+    assert bits.count("max.f16x2") == bits.count("cvt.rn.f16x2.f32") > 0 == summed.count("cvt.rn.f16x2.f32")
+    # the operand's registers: one prmt each (64 rows x 128 slots / 128 threads / 4 a register = 16 a consumer and block),
+    # at the loop's P·V and the last block's
+    assert bits.count("0x6420;") == 2 * 16 * (block_m // 64)
     assert bits.count("ex2.approx") <= 4 * (block_m // 64) < plain.count("ex2.approx")
     assert bits.count("cvt.rn.satfinite.e4m3x2.f32") == 0 < plain.count("cvt.rn.satfinite.e4m3x2.f32")  # bf16 output
     assert programs_per_sm(compile_for_hopper(128, block_m=block_m, block_n=128, stages=2, row_sum="tensor",
