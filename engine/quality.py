@@ -348,7 +348,7 @@ class EngineConfig:
     backend: str = "torch"  # torch (SDPA over the ring) | triton (FP8 attention kernels)
     attention: str = "auto"  # with backend triton: auto | triton | ws (the warp-specialised Hopper kernel)
     # with attention ws: how P is written: as the ring serves it (auto: log-linear), or named: nearest (the e4m3 value
-    # nearest 2^x, row sums in FP32) or log-linear (2^x written as codes by two FMAs, row sums on the tensor cores)
+    # nearest 2^x, row sums in FP32) or log-linear (2^x written as codes by one FMA each, row sums on the tensor cores)
     attention_p: str = "auto"
     gemm: str = "plain"  # plain | fp8 (block linears in FP8) | fp8-fast (and the tensor cores' fast accumulation)
     cuda_graph: bool = False

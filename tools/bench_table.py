@@ -924,7 +924,7 @@ def main() -> None:
                        "of one on the special-function unit." if any(c.get("exp2", "mufu") in ("fma", "mixed") for c in ws) else "")
                     + (" Row sums on the tensor cores: a P·1 product (8 columns of ones) beside P·V, added in FP32 each block, "
                        "in place of the softmax's adds. Log-linear e4m3 codes: 2^x written as the e4m3 code round(8x + 56 - 0.35) "
-                       "by two FMAs, one saturating (`e4m3_log_linear`; up to 7.5% off 2^x where e4m3's nearest value is 5.9% "
+                       "by one FMA a probability, then one f16x2 conversion and one f16x2 max a pair (`e4m3_log_linear`; up to 7.5% off 2^x where e4m3's nearest value is 5.9% "
                        "off), so no special-function or conversion instruction per probability; its error against exact "
                        "attention is given with it, against the others' "
                        f"{100 * max(c['rel_err'] for c in ws if c.get('exp2', 'mufu') != 'e4m3_bits'):.2f}% at most (the "
