@@ -524,6 +524,7 @@ def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = 
             "One H200, one rank's share of the 57b step at tensor-parallel degree 3, from the two runs below.", "",
             "| target | bound | measured | met |", "|---|---|---|---|",
             *[f"| {name} | {bound} | {value} | {'yes' if ok else 'no'} |" for name, bound, value, ok in rows], "",
+            *repeat_runs(),
             *([f"For scale on the attention target: cuDNN's own FP8 attention reaches "
                f"{cudnn['cudnn_fp8_prefix']['speedup_vs_sdpa_bf16']:.2f}x at this shape on this GPU, where ours reaches "
                f"{cudnn['ws_fp8']['speedup_vs_sdpa_bf16']:.2f}x in the same run ({probe_ws(cudnn)}; FP8 attention section below).", ""]
@@ -611,6 +612,27 @@ def step_energy(step: dict) -> list[str]:
     if parts := s.get("part_energy"):
         out += ["", part_energy(parts, s["step_joules"], limit)]
     return out + [""]
+
+
+def repeat_runs() -> list[str]:
+    """Later runs of the two target commands at the same engine code, on a machine of the same kind started afresh
+    (`*_repeat_N.json`): how far the target rows move from run to run."""
+    att = [(p.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("attention_57b_tp3_h200_repeat_*.json"))]
+    step = [(p.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("step_57b_tp3_h200_repeat_*.json"))]
+    if not att and not step:
+        return []
+    parts = []
+    if att:
+        parts.append("`python -m engine.bench attention --tp-shard 3 --json` "
+                     + ", ".join(f"{r['speedup']:.3f}x ({r['speedup_e4m3_out']:.3f}x with the e4m3 output; `{name}`)"
+                                 if "speedup_e4m3_out" in r else f"{r['speedup']:.3f}x (`{name}`)" for name, r in att))
+    if step:
+        parts.append("`python -m engine.bench step --spec characters-57b --tp-shard 3 --json` "
+                     + ", ".join(f"{r['serving']['step_ms']:.1f} ms at {r['serving']['step_joules']:.1f} J a step "
+                                 f"(`{name}`)" for name, r in step))
+    dates = sorted({r.get("date", "?") for _, r in att + step})
+    return [f"Repeats of the target commands at the same engine code, in one later call on a machine of the same kind "
+            f"started afresh ({', '.join(dates)}; results in `docs/results/`): " + "; ".join(parts) + ".", ""]
 
 
 def earlier_step_run(step: dict, name: str) -> list[str]:
