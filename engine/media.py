@@ -63,6 +63,9 @@ class Mp4Writer:
                  container_format: str | None = None, first_frame: int = 0, first_sample: int = 0,
                  audio_encoder: av.CodecContext | None = None):
         self.path = Path(path)
+        if len(size) != 2 or any(not isinstance(n, (int, np.integer)) or n <= 0 or n % 2 for n in size):
+            # H.264 in 4:2:0 takes whole chroma pairs; FFmpeg would say only "generic error" at the first frame
+            raise ValueError(f"video size {tuple(size)} must be (height, width), two positive even integers")
         if self.path.is_dir():  # FFmpeg would find out only at the first packet, after the work that made it
             raise IsADirectoryError(f"cannot write a video to {self.path}: it is a folder")
         # flush_packets: each fragment reaches the file when it is muxed, not when FFmpeg's IO buffer fills
@@ -71,12 +74,16 @@ class Mp4Writer:
             options["movflags"] = "frag_keyframe+empty_moov+default_base_moof"
         # MP4 unless told otherwise, whatever the file's name ends with
         self.container = av.open(str(self.path), "w", format=container_format or "mp4", options=options)
-        h, w = size
-        self.video = self.container.add_stream("libx264", rate=fps)
-        self.video.width, self.video.height, self.video.pix_fmt = w, h, "yuv420p"
-        self.video.options = {"preset": "veryfast", "tune": "zerolatency", "g": str(fps)}
-        self.audio = self.container.add_stream("aac", rate=sample_rate)
-        self.audio.layout = "mono"
+        h, w = self.size = tuple(size)
+        try:
+            self.video = self.container.add_stream("libx264", rate=fps)
+            self.video.width, self.video.height, self.video.pix_fmt = w, h, "yuv420p"
+            self.video.options = {"preset": "veryfast", "tune": "zerolatency", "g": str(fps)}
+            self.audio = self.container.add_stream("aac", rate=sample_rate)
+            self.audio.layout = "mono"
+        except BaseException:  # no writer comes back to close it: its file's descriptor would stay held
+            self.container.close()
+            raise
         # the caller's encoder runs on across files: its packets go into this file's stream, its tail into the next
         self.audio_encoder = audio_encoder
         self.sample_rate = sample_rate
@@ -85,6 +92,8 @@ class Mp4Writer:
         self._closed = False
 
     def write(self, rgb: np.ndarray, pcm: np.ndarray) -> None:
+        if rgb.shape != (*self.size, 3):  # the encoder would scale it to the video's size without a word
+            raise ValueError(f"frame of shape {rgb.shape} does not fit the video: (height, width, 3) = {(*self.size, 3)}")
         vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
         vf.pts = self.frames
         self.frames += 1

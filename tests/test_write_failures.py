@@ -118,3 +118,47 @@ def test_a_session_log_that_cannot_be_written_keeps_the_sessions_figures(tmp_pat
     assert stats["steps"] == 2 and "fps" in stats and stats["seconds"] == 0.0  # the figures survive
     assert str(log) in stats["session_log_error"]
     assert [r.getMessage() for r in caplog.records if r.name == "engine.realtime"] == [stats["session_log_error"]]
+
+
+class _NoEncoders:
+    """A real output container whose FFmpeg build has no encoder for the streams asked."""
+
+    def __init__(self, container) -> None:
+        self.container = container
+        self.closed = False
+
+    def add_stream(self, codec: str, **kwargs):
+        raise ValueError(f"unknown encoder {codec!r}")
+
+    def close(self) -> None:
+        self.closed = True
+        self.container.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors through /proc/self/fd")
+def test_a_writer_that_cannot_add_its_streams_lets_go_of_its_file(tmp_path, monkeypatch):
+    import engine.media
+
+    opened: list[_NoEncoders] = []
+    real_open = engine.media.av.open
+    monkeypatch.setattr(engine.media.av, "open", lambda *a, **k: opened.append(_NoEncoders(real_open(*a, **k))) or opened[-1])
+    path = tmp_path / "session.mp4"
+    with pytest.raises(ValueError, match="unknown encoder 'libx264'"):
+        Mp4Writer(path, 24, (32, 32))
+    assert opened and opened[0].closed and open_descriptors_of(path) == 0
+
+
+@pytest.mark.parametrize("size", [(33, 32), (32, 0), (32,), (32.0, 32)])
+def test_a_video_size_h264_cannot_take_is_refused_before_any_file_is_made(tmp_path, size):
+    path = tmp_path / "session.mp4"
+    with pytest.raises(ValueError, match=r"video size .* must be \(height, width\), two positive even integers"):
+        Mp4Writer(path, 24, size)
+    assert not path.exists()
+
+
+def test_a_frame_of_another_size_than_the_video_is_refused_not_scaled(tmp_path):
+    with Mp4Writer(tmp_path / "session.mp4", 24, (32, 32)) as writer:
+        writer.write(np.zeros((32, 32, 3), np.uint8), np.zeros(SAMPLE_RATE // 24, np.float32))
+        with pytest.raises(ValueError, match=r"frame of shape \(30, 32, 3\) does not fit the video"):
+            writer.write(np.zeros((30, 32, 3), np.uint8), np.zeros(SAMPLE_RATE // 24, np.float32))
+        assert writer.frames == 1  # the refused frame took no timestamp
