@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,9 @@ class SessionRecorder:
         self.meta = {"session_id": session_id, "started": time.time(), **meta}
         self._write_meta()
         self.video: Mp4Writer | None = Mp4Writer(self.folder / VIDEO, fps, size)
+        # the pump writes frames while stop() may close the video (the pump's join can time out): FFmpeg must not
+        # flush and close a file that another thread is encoding into
+        self._video_lock = threading.Lock()
         self.error: str | None = None
 
     def _write_meta(self) -> None:
@@ -44,14 +48,15 @@ class SessionRecorder:
             raise
 
     def write_frame(self, rgb, pcm) -> None:
-        if self.video is None:
-            return
-        try:
-            self.video.write(rgb, pcm)
-        except Exception as e:  # a full disk ends the video, not the conversation
-            self.error = self.error or f"recording stopped: {e}"
-            log.exception("recording failed")
-            self._close_video()
+        with self._video_lock:
+            if self.video is None:
+                return
+            try:
+                self.video.write(rgb, pcm)
+            except Exception as e:  # a full disk ends the video, not the conversation
+                self.error = self.error or f"recording stopped: {e}"
+                log.exception("recording failed")
+                self._close_video_locked()
 
     def add_line(self, role: str, turn_id: int, text: str, interrupted: bool = False) -> None:
         """Append one line to the transcript. An I/O error (a full disk) is kept in `error`, not raised: the
@@ -65,6 +70,10 @@ class SessionRecorder:
             self.error = self.error or f"transcript not written to {path}: {e}"
 
     def _close_video(self) -> None:
+        with self._video_lock:
+            self._close_video_locked()
+
+    def _close_video_locked(self) -> None:
         video, self.video = self.video, None
         if video is not None:
             try:

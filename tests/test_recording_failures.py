@@ -7,6 +7,8 @@ import contextlib
 import errno
 import json
 import logging
+import threading
+import time
 from pathlib import Path
 
 import av
@@ -237,3 +239,36 @@ def test_a_microphone_that_fails_to_close_does_not_keep_the_session_running(tmp_
         assert any("closing the local microphone failed: PortAudio: device unavailable" in f for f in controller.failures())
     finally:
         controller.close()
+
+
+class _SlowVideo:
+    """A video whose frames take a while to encode; notes whether it was closed while a frame was being written."""
+
+    def __init__(self) -> None:
+        self.writing = threading.Event()
+        self.in_write = False
+        self.closed_during_write: bool | None = None
+
+    def write(self, rgb, pcm) -> None:
+        self.in_write = True
+        self.writing.set()
+        time.sleep(0.3)
+        self.in_write = False
+
+    def close(self) -> None:
+        self.closed_during_write = self.in_write
+
+
+def test_closing_a_recording_waits_for_the_frame_being_written(tmp_path):
+    # stop() closes the recording once the pump's join times out: the pump may still be inside a frame's write
+    rec = SessionRecorder(tmp_path, "race", 24, (32, 32), {})
+    rec.video.close()
+    rec.video = slow = _SlowVideo()
+    pump = threading.Thread(target=rec.write_frame, args=(None, None))
+    pump.start()
+    assert slow.writing.wait(5)
+    rec.close({"fps": 24.0})
+    pump.join(5)
+    assert slow.closed_during_write is False
+    rec.write_frame(None, None)  # a frame after the close is dropped, not written into a closed file
+    assert rec.video is None
