@@ -13,6 +13,7 @@ in a minute).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -38,15 +39,22 @@ def append_line(path: str | Path, line: str) -> None:
     """Append `line` (ending in a line break) to a JSON-lines file and flush it. An earlier write may have left
     the file ending inside a line (its process died, or the disk filled, mid-write): appended to that fragment,
     this line would be unreadable too, so it then starts on a line of its own."""
-    with open(path, "a+b") as f:
-        if _ends_inside_a_line(f):
+    try:
+        f = open(path, "a+b")
+    except (PermissionError, io.UnsupportedOperation):  # a log that cannot be read back (no read permission, a
+        f = open(path, "ab")  # pipe): appended to as it is
+    with f:
+        if f.readable() and _ends_inside_a_line(f):
             line = "\n" + line
         f.write(line.encode("utf-8"))
         f.flush()
 
 
 def _ends_inside_a_line(f: BinaryIO) -> bool:
-    """Whether the readable file `f` is non-empty and its last byte is not a line break."""
+    """Whether the file `f` is non-empty and its last byte is not a line break (never for a pipe: nothing to read
+    back)."""
+    if not f.seekable():
+        return False
     end = f.seek(0, os.SEEK_END)
     if end == 0:
         return False

@@ -162,3 +162,16 @@ def test_a_frame_of_another_size_than_the_video_is_refused_not_scaled(tmp_path):
         with pytest.raises(ValueError, match=r"frame of shape \(30, 32, 3\) does not fit the video"):
             writer.write(np.zeros((30, 32, 3), np.uint8), np.zeros(SAMPLE_RATE // 24, np.float32))
         assert writer.frames == 1  # the refused frame took no timestamp
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_session_log_that_is_a_pipe_gets_its_records(tmp_path):
+    fifo = tmp_path / "sessions.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the reading end is open before anything is written
+    try:
+        record_session({"seconds": 30.0, "fps": 24.0}, fifo)  # a pipe cannot seek back to its last byte
+        received = os.read(reader, 65536)
+    finally:
+        os.close(reader)
+    assert json.loads(received.decode().splitlines()[0])["fps"] == 24.0
