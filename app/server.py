@@ -56,7 +56,14 @@ def build_api(controller: Controller) -> FastAPI:
             peers.discard(old)
         peer = Peer(controller, live, asyncio.get_running_loop())
         peers.add(peer)
-        answer = await peer.answer(body["sdp"], body["type"])
+        try:
+            answer = await peer.answer(body["sdp"], body["type"])
+        except Exception as e:  # an offer the WebRTC stack cannot answer (aiortc: "None is not in list" for garbage)
+            log.warning("could not answer a WebRTC offer: %r", e)
+            peers.discard(peer)
+            await peer.close()  # its half-made connection and tasks go now, not at the next offer
+            return JSONResponse({"error": f"could not answer the offer (not a WebRTC offer this server can take): {e}"},
+                                status_code=400)
         return {"sdp": answer.sdp, "type": answer.type}
 
     @api.post("/talkloop/client-error")

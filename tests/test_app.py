@@ -747,6 +747,8 @@ def test_offers_replace_the_previous_viewer_and_shutdown_closes_the_last(monkeyp
             made.append(self)
 
         async def answer(self, sdp, kind):
+            if sdp == "garbage":  # what aiortc raises for an offer that is not SDP
+                raise ValueError("None is not in list")
             return types.SimpleNamespace(sdp="answer to " + sdp, type="answer")
 
         async def close(self):
@@ -761,7 +763,36 @@ def test_offers_replace_the_previous_viewer_and_shutdown_closes_the_last(monkeyp
         assert client.post("/talkloop/offer", json={"sdp": "v=0", "type": "offer"}).json() == {"sdp": "answer to v=0", "type": "answer"}
         client.post("/talkloop/offer", json={"sdp": "v=1", "type": "offer"})
         assert [p.closed for p in made] == [True, False]  # one viewer at a time
-    assert [p.closed for p in made] == [True, True]  # the server's shutdown closed the last one
+        refused = client.post("/talkloop/offer", json={"sdp": "garbage", "type": "offer"})
+        assert refused.status_code == 400 and "could not answer the offer" in refused.json()["error"]
+        assert [p.closed for p in made] == [True, True, True]  # the half-made peer is closed at once
+    assert [p.closed for p in made] == [True, True, True]
+
+
+def test_an_offer_aiortc_cannot_answer_gets_a_clear_400_and_no_peer_is_left(monkeypatch):
+    import types
+
+    from fastapi.testclient import TestClient
+
+    import app.rtc
+    from app.server import build_api
+
+    pytest.importorskip("aiortc")
+    made = []
+
+    class RealConnectionPeer(app.rtc.Peer):  # the real answer(), on a real RTCPeerConnection
+        def __init__(self, controller, live, loop):
+            super().__init__(controller, live, loop)
+            made.append(self)
+
+    monkeypatch.setattr(app.rtc, "Peer", RealConnectionPeer)
+    live = types.SimpleNamespace(add_listener=lambda *a: None, remove_listener=lambda *a: None, session_id="s",
+                                 character=types.SimpleNamespace(spec=types.SimpleNamespace(fps=24)))
+    controller = types.SimpleNamespace(config=AppConfig(), live=live, client_error=None)
+    with TestClient(build_api(controller)) as client:
+        refused = client.post("/talkloop/offer", json={"sdp": "not sdp at all", "type": "offer"})
+    assert refused.status_code == 400 and refused.json()["error"].startswith("could not answer the offer")
+    assert made and all(p.closed for p in made)
 
 
 def test_a_chosen_chromium_is_used_or_named_when_it_is_not_there(tmp_path, monkeypatch):
