@@ -40,10 +40,10 @@ def append_line(path: str | Path, line: str) -> None:
     the file ending inside a line (its process died, or the disk filled, mid-write): appended to that fragment,
     this line would be unreadable too, so it then starts on a line of its own."""
     try:
-        f = open(path, "a+b")
+        opened = open(path, "a+b")
     except (PermissionError, io.UnsupportedOperation):  # a log that cannot be read back (no read permission, a
-        f = open(path, "ab")  # pipe): appended to as it is
-    with f:
+        opened = open(path, "ab")  # pipe): appended to as it is
+    with opened as f:
         if f.readable() and _ends_inside_a_line(f):
             line = "\n" + line
         f.write(line.encode("utf-8"))
