@@ -254,14 +254,11 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
 
     F = spec.frame_tokens
     b0 = model.blocks[0]
-    # the q/k/v, MLP-in and MLP-out GEMMs take FusedPass.operand_rows rows (padding rows zero), the out-projection F
-    rows = b0.fused_pass[0].operand_rows(F) if b0.fused_pass is not None else F
-    pad = lambda t: torch.cat([t, t.new_zeros(rows - F, t.shape[1])])
     h = torch.randn(F, spec.dim, device=device, dtype=dtype)
     a = torch.randn(F, b0.attn_out.in_features, device=device, dtype=dtype)
     m = torch.randn(F, b0.mlp_out.in_features, device=device, dtype=dtype)
     if isinstance(b0.qkv, FP8Linear) and b0.fused_forward is not None:
-        h8, a8, m8 = quantize_rows_reference(pad(h)), quantize_rows_reference(a), quantize_rows_reference(pad(m))
+        h8, a8, m8 = quantize_rows_reference(h), quantize_rows_reference(a), quantize_rows_reference(m)
 
         def run() -> None:
             for _ in range(spec.passes):
@@ -503,13 +500,6 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                 time_flipped(serving(), f"step_ms_with_{label}")
                 for o, kernel_before in zip(chosen, before):
                     o.gemm_kernel = kernel_before
-            # the GEMMs' FP8 input at the frame's token count, unpadded
-            shared = model.blocks[0].fused_pass[0]
-            out["gemm_operand_rows"] = shared.operand_rows(full.frame_tokens)
-            if out["gemm_operand_rows"] != full.frame_tokens:
-                shared.pad_rows = False
-                time_flipped(serving(), "step_ms_without_gemm_row_padding")
-                shared.pad_rows = True
             out["attention_kernel"] = session.cache.attention_kernel
             out["attention_kernel_options"] = session.cache.attention_options
             if session.cache.attention_kernel == "ws":  # and with the Triton FP8 attention kernel instead

@@ -1,5 +1,6 @@
 """tools/bench_table.py's FlashAttention-3 paragraphs, from a result shaped as tools/fa3_attention_probe.py writes it,
-and the step's energy by part, from a result shaped as `engine.bench step` writes it."""
+the step's energy by part, from a result shaped as `engine.bench step` writes it, and each block kernel's energy
+at the power limit, from a result shaped as tools/gemm_energy_probe.py writes it."""
 
 import sys
 from pathlib import Path
@@ -105,3 +106,24 @@ def test_a_flipped_setting_is_set_against_the_served_step_timed_in_turns_with_it
     # FA3's net saving takes the bf16 output's cost from the same turns: 105.5 - 104.5, not 105.5 - 105.0
     paired = {"serving": {**STEP["serving"], "step_ms_with_attention_out_bf16_serving": 104.5}}
     assert "puts that difference at 1.00 ms a step" in "\n".join(fa3_attention(probe_result(50.0), paired))
+
+
+def test_kernel_energy_lists_each_kernel_a_step_s_worth_and_the_padding_turns_only_where_run():
+    from bench_table import kernel_energy
+
+    call = lambda mj, kernel="": {"us_clock_up": 60.0, "us_per_call": 80.0, "sm_clock_mhz": 1440, "mj_per_call": mj,
+                                  "kernels": [kernel] if kernel else []}
+    probe = {"power_limit_w": 700.0, "qkv": {"cublas": call(55.0, "nvjet_a"), "cublas_m768": call(50.0, "nvjet_b"),
+                                             "triton_bn128_s4_w8": call(60.0), "triton_bn256_s3_w8": {"error": "smem"}},
+             "elementwise": {"gated_sum_ln_quant_w8": call(10.0)}}
+    text = "\n".join(kernel_energy(probe, None))
+    assert "| qkv | cuBLAS, as served | `nvjet_a` | 60.0 | 80.0 | 1440 | 55.0 | 0.616 | 13.2 |" in text  # 240 calls a step
+    assert "| qkv | Triton FP8 GEMM, 128-column tiles, 4 stages, 8 warps |" in text
+    assert "256-column" not in text  # a configuration that did not build has no row
+    assert "| gated_sum_ln_quant | 8 warps (as served) |  | 60.0 | 80.0 | 1440 | 10.00 |  | 2.36 |" in text  # 236 calls
+    assert "timed in turns" not in text
+    padded = {"serving": {"step_ms": 104.4, "step_ms_without_gemm_row_padding": 103.4,
+                          "step_ms_without_gemm_row_padding_serving": 104.0}}
+    turns = "\n".join(kernel_energy(probe, padded))
+    assert "50.0 mJ a call against 55.0" in turns and "took 104.0 ms against 103.4 ms unpadded" in turns
+    assert kernel_energy(None, padded) == []

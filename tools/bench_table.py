@@ -684,6 +684,66 @@ WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on
            "e4m3_bits": ", 2^x as log-linear e4m3 codes (exp2=e4m3_bits)"}
 
 
+GEMM_FLOP = {"qkv": 2 * 757 * 7680 * 7680, "attn_out": 2 * 757 * 2560 * 7680, "mlp_out": 2 * 757 * 8192 * 7680,
+             "attn_out+mlp_out": 2 * 757 * 10752 * 7680, "mlp_in_swiglu": 2 * 757 * 7680 * 16384}
+# calls a 57b tp3 step makes (60 blocks x 4 passes; the residual kernel skips the last block of each pass)
+CALLS_PER_STEP = {"qkv": 240, "attn_out": 240, "mlp_out": 240, "mlp_in_swiglu": 240, "gated_sum_ln_quant": 236, "quant_rows": 240}
+
+
+def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
+    """Each block kernel's energy a call held at the power limit (tools/gemm_energy_probe.py), and the step with its
+    GEMM operand padded to 768 rows against the unpadded one (`padded`: a step result whose serving path padded)."""
+    if not probe:
+        return []
+    labels = {"cublas": "cuBLAS, as served", "cublas_m768": "cuBLAS, 768 rows (11 zero rows of padding)",
+              "cublas_transposed_m768": "cuBLAS, the product transposed (weights on the left), 768 rows",
+              "swiglu_s3_g8": "Triton, SwiGLU in the epilogue, as served (3 stages, 8 row tiles a group)",
+              "swiglu_s4_g8": "the same, 4 stages", "swiglu_s3_g6": "the same, 6 row tiles a group"}
+
+    def label(how: str) -> str:
+        if how in labels:
+            return labels[how]
+        bn, stages, warps = how.split("_")[1:]  # triton_bn<N>_s<S>_w<W>
+        return f"Triton FP8 GEMM, {bn[2:]}-column tiles, {stages[1:]} stages, {warps[1:]} warps"
+    out = ["Each of a block's kernels alone at the step's shapes, replayed back to back (CUDA graphs of 20 calls) until the "
+           "GPU settles at its power limit as it does in the step, then 1.5 s timed, with NVML's energy counter read before "
+           f"and after (power limit {probe.get('power_limit_w', 0):.0f} W; command: `python tools/gemm_energy_probe.py --seconds 1.5`"
+           + (", in two calls on one machine: " + "; ".join(f"`{c.split(' (')[0]}`" + (f" ({c.split(' (', 1)[1]}" if " (" in c else "")
+                                                  for c in probe["commands"]) if len(probe.get("commands", [])) > 1 else "")
+           + "; result `docs/results/gemm_energy_probe_h200.json`). At that limit a step's time follows its energy: the last "
+           "column is a 57b tp3 step's worth of calls.", "",
+           "| kernel | how | cuBLAS kernel | us a call, clock up | us a call at the limit | SM clock MHz | mJ a call | pJ per FLOP | J a step |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for name in ("qkv", "attn_out", "mlp_out", "attn_out+mlp_out", "mlp_in_swiglu"):
+        for how, r in (probe.get(name) or {}).items():
+            if "mj_per_call" not in r:
+                continue
+            kernel = next((k for k in r.get("kernels", []) if k.startswith("nvjet")), "")
+            per_step = f"{r['mj_per_call'] * CALLS_PER_STEP[name] / 1000:.1f}" if name in CALLS_PER_STEP else ""
+            flop = GEMM_FLOP[name]
+            out.append(f"| {name} | {label(how)} | {('`' + kernel + '`') if kernel else ''} | "
+                       f"{r['us_clock_up']:.1f} | {r['us_per_call']:.1f} | {r['sm_clock_mhz']:.0f} | {r['mj_per_call']:.1f} | "
+                       f"{1e9 * r['mj_per_call'] / flop:.3f} | {per_step} |")
+    for how, r in (probe.get("elementwise") or {}).items():
+        name, warps = how.rsplit("_w", 1)
+        out.append(f"| {name} | {warps} warps{' (as served)' if warps == '8' else ''} |  | {r['us_clock_up']:.1f} | "
+                   f"{r['us_per_call']:.1f} | {r['sm_clock_mhz']:.0f} | {r['mj_per_call']:.2f} |  | "
+                   f"{r['mj_per_call'] * CALLS_PER_STEP[name] / 1000:.2f} |")
+    out.append("")
+    s = (padded or {}).get("serving", {})
+    if "step_ms_without_gemm_row_padding" in s and probe.get("qkv", {}).get("cublas_m768"):
+        q = probe["qkv"]
+        out += [f"With 768 rows cuBLAS takes another kernel for the q/k/v product, which alone takes "
+                f"{q['cublas_m768']['mj_per_call']:.1f} mJ a call against {q['cublas']['mj_per_call']:.1f}. The step with the "
+                "q/k/v and MLP GEMMs' shared input padded with zero rows to 768 (so MLP-in's output and MLP-out's input too; "
+                "served at commit d44360c only, result `docs/results/step_57b_tp3_h200_gemm_row_padding.json` of "
+                "`python -m engine.bench step --spec characters-57b --tp-shard 3 --json` there) took "
+                f"{ms(s['step_ms_without_gemm_row_padding_serving'])} ms against "
+                f"{ms(s['step_ms_without_gemm_row_padding'])} ms unpadded, the two timed in turns "
+                f"({ms(s['step_ms'])} ms back to back): the kernel that is cheaper alone is not cheaper beside the other "
+                "branch's GEMM, and the engine does not pad.", ""]
+    return out
+
 def main() -> None:
     out = ["# Benchmarks", "",
            "Generated by `python tools/bench_table.py` from the JSON files in `docs/results/`; each file is the",
@@ -840,6 +900,7 @@ def main() -> None:
                     + "; ".join(f"{name} {gemm[name]['fp8_rowwise_us']:.1f} us against "
                                 f"{sum(gemm[p]['fp8_rowwise_us'] for p in parts):.1f} us" for name, parts in merged)
                     + " (the output pair would also need the two gates folded into per-pass weights).", ""]
+    out += kernel_energy(load("gemm_energy_probe_h200.json"), load("step_57b_tp3_h200_gemm_row_padding.json"))
     att = load("attention_57b_tp3_h200.json")
     if att:
         best = att["fp8_best"]

@@ -125,7 +125,7 @@ def mlp_in_variants(res, dev, g, meter, seconds, K, H) -> None:
         k = FP8GEMM(w8, sw.reshape(-1), swiglu=True, block_n=128, stages=stages, group_m=gm)
         y = k(x8, sx)
         ref = y if ref is None else ref
-        row[f"swiglu_s{stages}_g{gm}"] = {**measure(lambda: k(x8, sx), dev, meter, args.seconds), "rel_err": rel(y, ref)}
+        row[f"swiglu_s{stages}_g{gm}"] = {**measure(lambda: k(x8, sx), dev, meter, seconds), "rel_err": rel(y, ref)}
     for v in row.values():
         v["tflops_at_limit"] = flop / v["us_per_call"] / 1e6
         v["pj_per_flop"] = 1e9 * v["mj_per_call"] / flop
@@ -147,7 +147,7 @@ def elementwise(res, dev, g, meter, seconds, H) -> None:
     row = {}
     for warps in (4, 8, 16):
         def gsum(warps=warps):
-            fused_block._gated_sum_ln_quant_kernel[(M,)](a, m, ga, gmm, x, y, sh, sc, h8, shh, M, D, 1e-6, BLOCK_K=8192,
+            fused_block._gated_sum_ln_quant_kernel[(M,)](a, m, ga, gmm, x, y, sh, sc, h8, shh, D, 1e-6, BLOCK_K=8192,
                                                          EXACT=False, num_warps=warps, **FP_FUSION)
 
         def qrows(warps=warps):

@@ -31,45 +31,32 @@ from engine.kernels.common import to_fp8
 
 
 @triton.jit
-def _ln_mod_quant_row(v, c, ok, row, live, shift, scale, h8, sh, K, eps, EXACT: tl.constexpr):
-    """Row `row` (float32 v over columns c) -> FP8 of modulate(layer_norm(v)) and its scale; zeros outside `live`
-    (ok, or nothing in a padding row of the GEMM operand)."""
+def _ln_mod_quant_row(v, c, ok, row, shift, scale, h8, sh, K, eps, EXACT: tl.constexpr):
+    """Row `row` (float32 v over columns c) -> FP8 of modulate(layer_norm(v)) and its scale."""
     mean = tl.sum(v, 0) / K
     diff = tl.where(ok, v - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, 0) / K + eps)
     h = diff * rstd * (1.0 + tl.load(scale + c, mask=ok, other=0.0).to(tl.float32)) + tl.load(shift + c, mask=ok, other=0.0).to(tl.float32)
-    h = tl.where(live, h, 0.0)
-    s = tl.maximum(tl.max(tl.abs(h), 0), 1e-12) / 448.0
+    s = tl.maximum(tl.max(tl.abs(tl.where(ok, h, 0.0)), 0), 1e-12) / 448.0
     tl.store(h8 + row * K + c, to_fp8(h / s, EXACT), mask=ok)
     tl.store(sh + row, s)
 
 
 @triton.jit
-def _ln_mod_quant_kernel(x, shift, scale, h8, sh, N, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_K)
     ok = c < K
-    live = c < tl.where(row < N, K, 0)  # ok, or no column of a padding row
-    v = tl.load(x + row * K + c, mask=live, other=0.0).to(tl.float32)
-    _ln_mod_quant_row(v, c, ok, row, live, shift, scale, h8, sh, K, eps, EXACT)
+    v = tl.load(x + row * K + c, mask=ok, other=0.0).to(tl.float32)
+    _ln_mod_quant_row(v, c, ok, row, shift, scale, h8, sh, K, eps, EXACT)
 
 
-def _operand_rows(N: int, rows: int | None) -> int:
-    if rows is None:
-        return N
-    if rows < N:
-        raise ValueError(f"rows ({rows}) must be at least the input's {N} rows")
-    return rows
-
-
-def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, rows: int | None = None):
-    """x (N, K) -> FP8 of modulate(layer_norm(x)) (rows, K) and per-token scales (rows, 1); `rows` (default N)
-    pads the GEMM operand with zero rows (FusedPass.operand_rows)."""
+def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
+    """x (N, K) -> FP8 of modulate(layer_norm(x)) (N, K) and per-token scales (N, 1)."""
     N, K = x.shape
-    R = _operand_rows(N, rows)
-    h8 = torch.empty(R, K, device=x.device, dtype=fp8.FP8)
-    sh = torch.empty(R, 1, device=x.device, dtype=torch.float32)
-    _ln_mod_quant_kernel[(R,)](x, shift, scale, h8, sh, N, K, eps, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
+    h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
+    sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
+    _ln_mod_quant_kernel[(N,)](x, shift, scale, h8, sh, K, eps, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
                                num_warps=8 if K >= 4096 else 4, **FP_FUSION)
     return h8, sh
 
@@ -136,27 +123,25 @@ def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: to
 
 
 @triton.jit
-def _gated_sum_ln_quant_kernel(a, m, ga, gm, x, y, shift, scale, h8, sh, N, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+def _gated_sum_ln_quant_kernel(a, m, ga, gm, x, y, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_K)
     ok = c < K
-    live = c < tl.where(row < N, K, 0)  # ok, or no column of a padding row
-    out = _gated_sum_row(a, m, ga, gm, x, row, c, live, K, True).to(y.dtype.element_ty)
-    tl.store(y + row * K + c, out, mask=live)
+    out = _gated_sum_row(a, m, ga, gm, x, row, c, ok, K, True).to(y.dtype.element_ty)
+    tl.store(y + row * K + c, out, mask=ok)
     # the next block's LayerNorm reads the residual as stored
-    _ln_mod_quant_row(out.to(tl.float32), c, ok, row, live, shift, scale, h8, sh, K, eps, EXACT)
+    _ln_mod_quant_row(out.to(tl.float32), c, ok, row, shift, scale, h8, sh, K, eps, EXACT)
 
 
 def gated_sum_ln_quant(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor,
-                       shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6, rows: int | None = None):
-    """y = x + gate_a * a + gate_m * m (N, K), and what ln_modulate_quant(y, shift, scale, rows=rows) gives, in one
-    pass: the residual of one block and the next block's FP8 input. Returns y, its FP8 (rows, K) and scales (rows, 1)."""
+                       shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
+    """y = x + gate_a * a + gate_m * m (N, K), and what ln_modulate_quant(y, shift, scale) gives, in one pass:
+    the residual of one block and the next block's FP8 input. Returns y, its FP8 (N, K) and scales (N, 1)."""
     N, K = a.shape
-    R = _operand_rows(N, rows)
     y = torch.empty_like(x)
-    h8 = torch.empty(R, K, device=x.device, dtype=fp8.FP8)
-    sh = torch.empty(R, 1, device=x.device, dtype=torch.float32)
-    _gated_sum_ln_quant_kernel[(R,)](a, m, gate_a, gate_m, x, y, shift, scale, h8, sh, N, K, eps,
+    h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
+    sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
+    _gated_sum_ln_quant_kernel[(N,)](a, m, gate_a, gate_m, x, y, shift, scale, h8, sh, K, eps,
                                      BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(), num_warps=8 if K >= 4096 else 4,
                                      **FP_FUSION)
     return y, h8, sh
@@ -192,9 +177,6 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-GEMM_ROW_TILE = 128
-
-
 class FusedPass:
     """What the fused blocks of a model share within one pass.
 
@@ -209,11 +191,7 @@ class FusedPass:
     tensors made outside it that a later pass may replace), nor for inference-mode tensors, whose
     in-place changes cannot be seen."""
 
-    def __init__(self, blocks, pad_rows: bool = True) -> None:
-        # Pad the q/k/v and MLP-in GEMMs' shared input (and so MLP-in's output and MLP-out's input) with zero rows
-        # to a whole number of GEMM_ROW_TILE rows where that adds little (`operand_rows`): at the 57b shard's 757
-        # tokens cuBLAS picks another FP8 kernel for 768 rows that takes less energy (tools/gemm_energy_probe.py).
-        self.pad_rows = pad_rows
+    def __init__(self, blocks) -> None:
         # The blocks' tables and norm eps, not the blocks: blocks refer to this object, and a reference
         # back would make a cycle that keeps a dropped model (and tensors of its CUDA graph) alive until gc.
         self.tables = [b.modulation for b in blocks]
@@ -223,12 +201,6 @@ class FusedPass:
         self._key: tuple | None = None  # (mod, its version, captured): what self._tables was made from
         self._tables: torch.Tensor | None = None
         self._handover: tuple | None = None  # (residual, its version, mod, its version, next index, captured, h8, sh)
-
-    def operand_rows(self, tokens: int) -> int:
-        """Rows of the block GEMMs' FP8 input for `tokens` tokens: padded up to a multiple of GEMM_ROW_TILE where
-        that adds at most 1/32 more rows (pad_rows), else the tokens."""
-        padded = -(-tokens // GEMM_ROW_TILE) * GEMM_ROW_TILE
-        return padded if self.pad_rows and (padded - tokens) * 32 <= tokens else tokens
 
     def modulation(self, index: int, mod: torch.Tensor) -> torch.Tensor:
         """(4, dim): shift, scale, gate_attn, gate_mlp of block `index` for the pass's `mod` (4, dim)."""
@@ -270,20 +242,20 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     (`engine.bench step` times both settings; docs/benchmarks.md). The MLP branch is launched first: its GEMM's
     tiles take the SMs and the attention branch fills in behind them. Launched the other way round, with the
     q/k/v GEMM or the whole attention chain first, the step measured slower on one H200 (104.2 and 105.8 ms
-    against 103.7, in turns)."""
+    against 103.7, in turns). The GEMMs' shared input padded with zero rows to 768 (cuBLAS then takes a kernel whose
+    q/k/v product alone needed 2-8% less energy on two H200s) made the step slower on one H200 (103.95 against 103.37 ms, in
+    turns; docs/benchmarks.md), so the products run on the frame's rows as they are."""
     # Taking the table inside the two kernels that read it measured slower (more registers, more loads).
     shared, index = block.fused_pass
     shift, scale, gate_attn, gate_mlp = shared.modulation(index, mod).unbind(0)  # rows of a (4, dim) tensor: contiguous
     handed = shared.take_over(x, mod, index)
-    N = x.shape[0]
-    rows = shared.operand_rows(N)  # h8's rows: N, or N and zero rows up to the GEMMs' tile; products are cut back to N
-    h8, sh = handed if handed is not None else ln_modulate_quant(x, shift, scale, block.norm.eps, rows=rows)
+    h8, sh = handed if handed is not None else ln_modulate_quant(x, shift, scale, block.norm.eps)
     side = branch_stream(x.device) if block.branch_streams and x.is_cuda else None
     fused_combine = block.fused_combine is not None
 
     def mlp_branch():
-        m8, sm = block.mlp_in.swiglu_quantized(h8, sh)  # padding rows stay zero through SwiGLU and its quantisation
-        return (m8[:N], sm[:N]) if fused_combine else block.mlp_out.forward_quantized(m8, sm)[:N]
+        m8, sm = block.mlp_in.swiglu_quantized(h8, sh)
+        return (m8, sm) if fused_combine else block.mlp_out.forward_quantized(m8, sm)
 
     if side is not None:
         here = torch.cuda.current_stream(x.device)
@@ -291,7 +263,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
         with torch.cuda.stream(side):
             mlp = mlp_branch()
     H, D = block.q_norm.weight.shape  # heads local to this rank
-    qkv = block.qkv.forward_quantized(h8, sh)[:N].view(-1, 3, H, D).permute(1, 2, 0, 3)  # (3, H, N, D) view
+    qkv = block.qkv.forward_quantized(h8, sh).view(-1, 3, H, D).permute(1, 2, 0, 3)  # (3, H, N, D) view
     a = attend(*qkv.unbind(0), head_norm=(stacked_gains(block), block.q_norm.eps), fp8_out=True)
     if isinstance(a, tuple):  # e4m3 (N, H*D) with its row scales: no quantisation pass before the GEMM
         a = block.attn_out.forward_quantized(*a)
@@ -308,7 +280,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
             return gated_sum(a, mlp, gate_attn, gate_mlp, x)
         next_shift, next_scale = shared.modulation(index + 1, mod)[:2]
         y, next_h8, next_sh = gated_sum_ln_quant(a, mlp, gate_attn, gate_mlp, x, next_shift, next_scale,
-                                                 shared.norm_eps[index + 1], rows=rows)
+                                                 shared.norm_eps[index + 1])
         shared.hand_over(y, mod, index + 1, next_h8, next_sh)
         return y
     return x + block.reduce(gated_sum(a, mlp, gate_attn, gate_mlp))
