@@ -112,7 +112,7 @@ def test_kernel_energy_lists_each_kernel_a_step_s_worth_and_the_padding_turns_on
     from bench_table import kernel_energy
 
     call = lambda mj, kernel="": {"us_clock_up": 60.0, "us_per_call": 80.0, "sm_clock_mhz": 1440, "mj_per_call": mj,
-                                  "kernels": [kernel] if kernel else []}
+                                  "pj_per_flop": 0.616, "kernels": [kernel] if kernel else []}
     probe = {"power_limit_w": 700.0, "qkv": {"cublas": call(55.0, "nvjet_a"), "cublas_m768": call(50.0, "nvjet_b"),
                                              "triton_bn128_s4_w8": call(60.0), "triton_bn256_s3_w8": {"error": "smem"}},
              "elementwise": {"gated_sum_ln_quant_w8": call(10.0)}}

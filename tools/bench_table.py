@@ -684,8 +684,6 @@ WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on
            "e4m3_bits": ", 2^x as log-linear e4m3 codes (exp2=e4m3_bits)"}
 
 
-GEMM_FLOP = {"qkv": 2 * 757 * 7680 * 7680, "attn_out": 2 * 757 * 2560 * 7680, "mlp_out": 2 * 757 * 8192 * 7680,
-             "attn_out+mlp_out": 2 * 757 * 10752 * 7680, "mlp_in_swiglu": 2 * 757 * 7680 * 16384}
 # calls a 57b tp3 step makes (60 blocks x 4 passes; the residual kernel skips the last block of each pass)
 CALLS_PER_STEP = {"qkv": 240, "attn_out": 240, "mlp_out": 240, "mlp_in_swiglu": 240, "gated_sum_ln_quant": 236, "quant_rows": 240}
 
@@ -708,8 +706,8 @@ def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
     out = ["Each of a block's kernels alone at the step's shapes, replayed back to back (CUDA graphs of 20 calls) until the "
            "GPU settles at its power limit as it does in the step, then 1.5 s timed, with NVML's energy counter read before "
            f"and after (power limit {probe.get('power_limit_w', 0):.0f} W; command: `python tools/gemm_energy_probe.py --seconds 1.5`"
-           + (", in two calls on one machine: " + "; ".join(f"`{c.split(' (')[0]}`" + (f" ({c.split(' (', 1)[1]}" if " (" in c else "")
-                                                  for c in probe["commands"]) if len(probe.get("commands", [])) > 1 else "")
+           + (", in two calls on one machine: " + "; ".join(f"`{c['command']}` ({c['note']})" for c in probe["commands"])
+              if len(probe.get("commands", [])) > 1 else "")
            + "; result `docs/results/gemm_energy_probe_h200.json`). At that limit a step's time follows its energy: the last "
            "column is a 57b tp3 step's worth of calls.", "",
            "| kernel | how | cuBLAS kernel | us a call, clock up | us a call at the limit | SM clock MHz | mJ a call | pJ per FLOP | J a step |",
@@ -720,10 +718,9 @@ def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
                 continue
             kernel = next((k for k in r.get("kernels", []) if k.startswith("nvjet")), "")
             per_step = f"{r['mj_per_call'] * CALLS_PER_STEP[name] / 1000:.1f}" if name in CALLS_PER_STEP else ""
-            flop = GEMM_FLOP[name]
             out.append(f"| {name} | {label(how)} | {('`' + kernel + '`') if kernel else ''} | "
                        f"{r['us_clock_up']:.1f} | {r['us_per_call']:.1f} | {r['sm_clock_mhz']:.0f} | {r['mj_per_call']:.1f} | "
-                       f"{1e9 * r['mj_per_call'] / flop:.3f} | {per_step} |")
+                       f"{r['pj_per_flop']:.3f} | {per_step} |")
     for how, r in (probe.get("elementwise") or {}).items():
         name, warps = how.rsplit("_w", 1)
         out.append(f"| {name} | {warps} warps{' (as served)' if warps == '8' else ''} |  | {r['us_clock_up']:.1f} | "

@@ -16,7 +16,7 @@ from torch import nn
 from engine.bench import graph_call_ms, sustained_energy
 from engine.gpu_energy import EnergyMeter
 from engine.kernels import FP_FUSION, fused_block
-from engine.kernels.fp8_gemm import FP8GEMM, interleave_gate_up
+from engine.kernels.fp8_gemm import FP8GEMM
 from engine.kernels.fp8_linear import FP8Linear, quantize_rows_reference
 
 M = 757
@@ -24,11 +24,19 @@ SHAPES = {"qkv": (7680, 7680), "attn_out": (2560, 7680), "mlp_out": (8192, 7680)
           "attn_out+mlp_out": (10752, 7680)}  # (K, N); the last: the two output GEMMs as one product over both inputs
 
 
-def weight(K: int, N: int, dev: torch.device, g: torch.Generator) -> FP8Linear:
+def weight(K: int, N: int, dev: torch.device, g: torch.Generator, gate_up_block: int = 0) -> FP8Linear:
     lin = nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.normal_(0.0, K ** -0.5, generator=g)
-    return FP8Linear(lin, fast_accum=True)
+    return FP8Linear(lin, fast_accum=True, gate_up_block=gate_up_block)
+
+
+def add_rates(row: dict, flop: int) -> None:
+    """TFLOP/s and pJ per FLOP at the power limit for each measured configuration of a row."""
+    for v in row.values():
+        if "us_per_call" in v:
+            v["tflops_at_limit"] = flop / v["us_per_call"] / 1e6
+            v["pj_per_flop"] = 1e9 * v["mj_per_call"] / flop
 
 
 def kernel_names(fn) -> list[str]:
@@ -94,10 +102,7 @@ def main() -> None:
                 row[key] = {**measure(lambda: k(x8, sx), dev, meter, args.seconds), "rel_err_vs_cublas": err}
             except Exception as e:  # a configuration that does not fit (shared memory, registers)
                 row[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        for v in row.values():
-            if "us_per_call" in v:
-                v["tflops_at_limit"] = flop / v["us_per_call"] / 1e6
-                v["pj_per_flop"] = 1e9 * v["mj_per_call"] / flop
+        add_rates(row, flop)
         res[name] = row
         print(json.dumps({name: row}), flush=True)
 
@@ -111,24 +116,17 @@ def main() -> None:
 
 def mlp_in_variants(res, dev, g, meter, seconds, K, H) -> None:
     """MLP-in as served (Triton, SwiGLU in the epilogue) and its variants."""
-    lin = nn.Linear(K, 2 * H, bias=False, device=dev, dtype=torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.normal_(0.0, K ** -0.5, generator=g)
-    w = interleave_gate_up(lin.weight.detach(), 128)
-    sw = w.float().abs().amax(dim=1, keepdim=True) / 448.0
-    w8 = (w.float() / sw).to(torch.float8_e4m3fn).contiguous()
+    lin = weight(K, 2 * H, dev, g, gate_up_block=128)  # gate and up rows interleaved, as the SwiGLU form reads them
     x8, sx = quantize_rows_reference(torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g))
     flop = 2 * M * K * 2 * H
     row = {}
     ref = None
     for stages, gm in ((3, 8), (4, 8), (3, 6)):
-        k = FP8GEMM(w8, sw.reshape(-1), swiglu=True, block_n=128, stages=stages, group_m=gm)
+        k = FP8GEMM(lin.weight8, lin.weight_scale, swiglu=True, block_n=128, stages=stages, group_m=gm)
         y = k(x8, sx)
         ref = y if ref is None else ref
         row[f"swiglu_s{stages}_g{gm}"] = {**measure(lambda: k(x8, sx), dev, meter, seconds), "rel_err": rel(y, ref)}
-    for v in row.values():
-        v["tflops_at_limit"] = flop / v["us_per_call"] / 1e6
-        v["pj_per_flop"] = 1e9 * v["mj_per_call"] / flop
+    add_rates(row, flop)
     res["mlp_in_swiglu"] = row
     print(json.dumps({"mlp_in_swiglu": row}), flush=True)
 

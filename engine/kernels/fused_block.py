@@ -242,9 +242,9 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     (`engine.bench step` times both settings; docs/benchmarks.md). The MLP branch is launched first: its GEMM's
     tiles take the SMs and the attention branch fills in behind them. Launched the other way round, with the
     q/k/v GEMM or the whole attention chain first, the step measured slower on one H200 (104.2 and 105.8 ms
-    against 103.7, in turns). The GEMMs' shared input padded with zero rows to 768 (cuBLAS then takes a kernel whose
-    q/k/v product alone needed 2-8% less energy on two H200s) made the step slower on one H200 (103.95 against 103.37 ms, in
-    turns; docs/benchmarks.md), so the products run on the frame's rows as they are."""
+    against 103.7, in turns). The GEMMs' shared input padded with zero rows to 768 (cuBLAS then takes a kernel
+    whose q/k/v product alone needed 2-8% less energy on two H200s) made the step slower on one H200 (103.95
+    against 103.37 ms, in turns; docs/benchmarks.md), so the products run on the frame's rows as they are."""
     # Taking the table inside the two kernels that read it measured slower (more registers, more loads).
     shared, index = block.fused_pass
     shift, scale, gate_attn, gate_mlp = shared.modulation(index, mod).unbind(0)  # rows of a (4, dim) tensor: contiguous
