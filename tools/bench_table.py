@@ -703,7 +703,8 @@ def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
             return labels[how]
         bn, stages, warps = how.split("_")[1:]  # triton_bn<N>_s<S>_w<W>
         return f"Triton FP8 GEMM, {bn[2:]}-column tiles, {stages[1:]} stages, {warps[1:]} warps"
-    out = ["Each of a block's kernels alone at the step's shapes, replayed back to back (CUDA graphs of 20 calls) until the "
+    versions = f"torch {probe.get('torch', '?')}" + (f", Triton {probe['triton']}" if "triton" in probe else "")
+    out = [f"On one {probe.get('device', '?')} ({versions}), each of a block's kernels alone at the step's shapes, replayed back to back (CUDA graphs of 20 calls) until the "
            "GPU settles at its power limit as it does in the step, then 1.5 s timed, with NVML's energy counter read before "
            f"and after (power limit {probe.get('power_limit_w', 0):.0f} W; command: `python tools/gemm_energy_probe.py --seconds 1.5`"
            + (", in two calls on one machine: " + "; ".join(f"`{c['command']}` ({c['note']})" for c in probe["commands"])

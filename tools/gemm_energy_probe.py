@@ -73,7 +73,9 @@ def main() -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     meter = EnergyMeter.open(dev)
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "M": M,
+    import triton
+
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "M": M,
                  "power_limit_w": meter.power_limit_w() if meter else None}
     for name, (K, N) in SHAPES.items() if "gemm" in parts else ():
         lin = weight(K, N, dev, g)
