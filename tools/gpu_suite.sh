@@ -23,7 +23,7 @@ cat "$OUT/gpu.txt"
 run() { echo "== $*" >&2; "$@"; }
 for part in $parts; do
   if [[ $part == tests || $part == all ]]; then
-    run python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_gemm.py tests/test_attention_ws.py tests/test_cache.py tests/test_session.py tests/test_parallel.py tests/test_gemm_allreduce.py tests/test_gpu_energy.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5
+    run python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_gemm.py tests/test_cublaslt.py tests/test_attention_ws.py tests/test_cache.py tests/test_session.py tests/test_parallel.py tests/test_gemm_allreduce.py tests/test_gpu_energy.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5
   fi
   if [[ $part == attention || $part == all ]]; then
     run python3 -m engine.bench attention --tp-shard 3 --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
