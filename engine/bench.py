@@ -259,19 +259,12 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
     m = torch.randn(F, b0.mlp_out.in_features, device=device, dtype=dtype)
     if isinstance(b0.qkv, FP8Linear) and b0.fused_forward is not None:
         h8, a8, m8 = quantize_rows_reference(h), quantize_rows_reference(a), quantize_rows_reference(m)
-        residual = torch.randn(F, spec.dim, device=device, dtype=torch.bfloat16)
-
-        def out_projection(linear: FP8Linear, x8: tuple, in_epilogue: bool) -> None:
-            if in_epilogue:  # as the step runs it: the gated residual sum in the GEMM's epilogue
-                linear.forward_quantized_add(*x8, linear.weight_scale.reshape(-1), residual, out=residual)
-            else:
-                linear.forward_quantized(*x8)
 
         def run() -> None:
             for _ in range(spec.passes):
                 for blk in model.blocks:
-                    blk.qkv.forward_quantized(*h8), out_projection(blk.attn_out, a8, blk.combine_in_gemm)
-                    blk.mlp_in.swiglu_product(*h8), out_projection(blk.mlp_out, m8, blk.combine_in_gemm)
+                    blk.qkv.forward_quantized(*h8), blk.attn_out.forward_quantized(*a8), blk.mlp_in.swiglu_product(*h8)
+                    blk.mlp_out.forward_quantized(*m8)
     else:
         def run() -> None:
             for _ in range(spec.passes):
@@ -489,17 +482,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             from engine.kernels.fp8_linear import BLOCK_LINEARS
 
             linears = [getattr(b, n) for b in model.blocks for n in BLOCK_LINEARS]
-            from engine.kernels.fp8_linear import cublaslt_runs
-
-            tunable = [o for o in linears if o.tuned_algorithms]
-            out["tuned_algorithms"] = bool(tunable)
-            out["combine_in_gemm"] = combine = model.blocks[0].combine_in_gemm
-            flips = [("branch_streams", branch_streams, model.blocks), ("fast_accum", fast_accum, linears)]
-            if tunable:  # the q/k/v and out-projection products on torch._scaled_mm's choice of cuBLASLt kernel
-                flips.append(("tuned_algorithms", True, tunable))
-            if cublaslt_runs(device.index or 0):  # each block's gated residual sum in its out-projections' epilogues
-                flips.append(("combine_in_gemm", combine, model.blocks))
-            for name, on, objects in flips:
+            for name, on, objects in (("branch_streams", branch_streams, model.blocks), ("fast_accum", fast_accum, linears)):
                 for o in objects:
                     setattr(o, name, not on)
                 time_flipped(serving(), f"step_ms_{'without' if on else 'with'}_{name}")

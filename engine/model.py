@@ -95,8 +95,6 @@ class Block(nn.Module):
         self.fused_combine: Callable | None = None
         # With fused_forward on a GPU: the MLP branch on a side stream beside the attention (quantize_linears_ sets it).
         self.branch_streams = False
-        # With fused_forward and FP8 out-projections: the gated residual sum in their GEMMs' epilogues (quantize_linears_ sets it).
-        self.combine_in_gemm = False
         # With fused_forward: (FusedPass, this block's index), what the fused blocks of a pass share.
         self.fused_pass: tuple | None = None
 

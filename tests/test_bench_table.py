@@ -127,3 +127,24 @@ def test_kernel_energy_lists_each_kernel_a_step_s_worth_and_the_padding_turns_on
     turns = "\n".join(kernel_energy(probe, padded))
     assert "50.0 mJ a call against 55.0" in turns and "took 104.0 ms against 103.4 ms unpadded" in turns
     assert kernel_energy(None, padded) == []
+
+
+def test_cublaslt_configurations_list_the_heuristic_then_the_least_energy_and_the_step_turns_only_where_run():
+    from bench_table import cublaslt_configurations
+
+    call = lambda mj, kernel: {"us_per_call": 80.0, "sm_clock_mhz": 1500, "mj_per_call": mj, "pj_per_flop": mj / 90,
+                               "kernels": [kernel]}
+    row = {"scaled_mm": call(54.5, "nvjet_default"), "rank0": call(54.2, "nvjet_default"), "rank100": call(53.9, "nvjet_b"),
+           "rank101": call(53.4, "nvjet_a"), "rank102": {"us_clock_up": 70.0}, "enumerated": 3}
+    probe = {"command": "python tools/cublaslt_algo_probe.py", "cublaslt": 130100, "qkv": row}
+    lines = cublaslt_configurations(probe, None, best=2)
+    text = "\n".join(lines)
+    assert "cuBLASLt 13.1.0" in text and "| qkv | 3 others | `nvjet_default` torch._scaled_mm (the heuristic's) |" in text
+    rows = [line for line in lines if line.startswith("|  |")]
+    assert [r.split("`")[1] for r in rows] == ["nvjet_a", "nvjet_b"]  # least energy first; rank0 is the heuristic's again
+    assert "timed in turns" not in text
+    step = {"serving": {"step_ms_without_tuned_algorithms": 102.5, "step_ms_without_tuned_algorithms_serving": 103.7,
+                        "step_ms_with_combine_in_gemm": 103.8, "step_ms_with_combine_in_gemm_serving": 103.6}}
+    turns = "\n".join(cublaslt_configurations(probe, step))
+    assert "103.7 ms a step against 102.5 ms on the heuristic's kernels" in turns and "103.8 ms against 103.6" in turns
+    assert cublaslt_configurations(None, step) == []

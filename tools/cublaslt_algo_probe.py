@@ -1,10 +1,12 @@
 """cuBLASLt's candidate algorithms for one 57b rank's block GEMMs (TP 3, M = 757), each judged by energy a
 call held back to back at the GPU's power limit, as the served step runs them, and by time with the clock up.
 
-torch._scaled_mm runs the heuristic's first candidate (rank 0); the heuristic ranks by time with the clock
-up. Every candidate is checked against torch._scaled_mm's product first:
+torch._scaled_mm runs the heuristic's first candidate (rank 0; the heuristic ranks by time with the clock up and
+offers one at these shapes); beside it every configuration cuBLASLt accepts without a workspace over its large
+tiles, stages, custom options and clusters (ranks 100 on), each checked against torch._scaled_mm's product, timed
+with the clock up, and the fastest held at the power limit (tools/cublaslt.py calls cuBLASLt):
 
-    python tools/cublaslt_algo_probe.py [--seconds 1.5] [--count 16] [--energy-top 8]   # on a GPU; one JSON object
+    python tools/cublaslt_algo_probe.py [--seconds 1.5] [--energy-top 8]   # on a GPU; its last line: one JSON object
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import torch
 
 from engine.bench import graph_call_ms
 from engine.gpu_energy import EnergyMeter
-from engine.kernels import cublaslt
 from engine.kernels.fp8_linear import quantize_rows_reference
+from tools import cublaslt
 from tools.gemm_energy_probe import M, add_rates, kernel_names, measure, rel, weight
 
 SHAPES = {"qkv": (7680, 7680), "attn_out": (2560, 7680), "mlp_out": (8192, 7680), "mlp_in": (7680, 16384)}  # (K, N)

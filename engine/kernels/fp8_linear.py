@@ -86,10 +86,6 @@ class FP8Linear(nn.Module):
             raise ValueError(f"gemm_kernel must be one of {', '.join(FP8_GEMM_KERNELS)}, got {gemm_kernel!r}")
         self.gemm_kernel = gemm_kernel
         self._launchers: dict[tuple[bool, bool], object] = {}
-        # Where cuBLASLt runs through ctypes: products of a shape in TUNED_ALGORITHMS take the configuration found
-        # there instead of the one torch._scaled_mm's heuristic picks (quantize_linears_ sets it on Hopper).
-        self.tuned_algorithms = False
-        self._lt_products = _NotCopied()  # (rows, fast_accum, tuned) -> cuBLASLt product and its algorithm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -113,9 +109,6 @@ class FP8Linear(nn.Module):
         """(M, N) bf16, its columns in the weight's stored row order."""
         if self.use_scaled_mm and self.gemm_kernel == "triton":
             return self._triton_gemm(False)(x8, sx)
-        if self.use_scaled_mm and self.tuned_algorithms and self._tuned(x8.shape[0]) is not None:
-            mm, algo = self._tuned(x8.shape[0])
-            return mm(x8, sx, self.weight8, self.weight_scale, algo)
         if self.use_scaled_mm:
             return torch._scaled_mm(x8, self.weight8.t(), scale_a=sx, scale_b=self.weight_scale, out_dtype=torch.bfloat16,
                                     use_fast_accum=self.fast_accum)
@@ -127,49 +120,6 @@ class FP8Linear(nn.Module):
         if self.gate_up_block:  # back to [gate | up]
             y = y.unflatten(-1, (-1, 2, self.gate_up_block)).transpose(-3, -2).flatten(-3)
         return y
-
-    def forward_quantized_add(self, x8: torch.Tensor, sx: torch.Tensor, col_scale: torch.Tensor, residual: torch.Tensor,
-                              out: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + (x8 @ w8ᵀ) * sx * col_scale, (M, N) bf16: the product under column scales given by the caller
-        (an out-projection's weight scales times its gate, (N,) float32) with the residual added in the GEMM's
-        epilogue (cuBLASLt, `cublaslt_runs`); `out` may be `residual` itself. Elsewhere the dequantised float
-        product and sum, rounded once."""
-        if self.gate_up_block:
-            raise ValueError("forward_quantized_add is for linears stored in their own row order")
-        if self.use_scaled_mm and cublaslt_runs(x8.device.index or 0):
-            tuned = self._tuned(x8.shape[0]) if self.tuned_algorithms else None
-            mm, algo = tuned if tuned is not None else self._lt_product(x8.shape[0])
-            return mm(x8, sx, self.weight8, col_scale, algo, out=out, residual=residual)
-        y = residual.float() + (x8.float() * sx) @ (self.weight8.float() * col_scale.reshape(-1, 1).float()).t()
-        if out is None:
-            return y.to(residual.dtype)
-        return out.copy_(y)
-
-    def _lt_product(self, rows: int, tuned: bool = False) -> tuple | None:
-        """(cuBLASLt product, algorithm) for `rows` rows: the heuristic's choice, or with `tuned` the configuration
-        TUNED_ALGORITHMS holds for the shape (None where it holds none or cuBLASLt refuses it)."""
-        key = (rows, self.fast_accum, tuned)
-        if key not in self._lt_products:
-            from engine.kernels import cublaslt
-
-            mm = cublaslt.ScaledMatmul(rows, self.in_features, self.out_features, fast_accum=self.fast_accum)
-            sx = torch.ones(rows, device=self.weight8.device)
-            mm.bind_scales(sx, self.weight_scale)  # the heuristic wants scale addresses; each call binds its own
-            if not tuned:
-                self._lt_products[key] = (mm, mm.algorithms(1)[0])
-            else:
-                want = TUNED_ALGORITHMS[(rows, self.in_features, self.out_features)]
-                found = [a for a in mm.enumerate(tiles=(want["tile"],)) if all(a.config.get(k) == v for k, v in want.items())]
-                if not found:
-                    log.info("cuBLASLt refuses the tuned configuration %s for (%d, %d, %d); the heuristic's serves",
-                             want, rows, self.in_features, self.out_features)
-                self._lt_products[key] = (mm, found[0]) if found else None
-        return self._lt_products[key]
-
-    def _tuned(self, rows: int) -> tuple | None:
-        if (rows, self.in_features, self.out_features) not in TUNED_ALGORITHMS or self.gate_up_block:
-            return None
-        return self._lt_product(rows, tuned=True) if cublaslt_runs(self.weight8.device.index or 0) else None
 
     def swiglu_quantized(self, x8: torch.Tensor, sx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For a [gate | up] linear (out_features 2H): silu(gate) * up of the product, (M, H), as per-row FP8 and
@@ -228,59 +178,6 @@ def triton_fp8_gemm_runs(device_index: int) -> bool:
                           "cuBLAS serves every FP8 linear")
 
 
-class _NotCopied(dict):
-    """A cache of ctypes handles: a copied module starts with an empty one (ctypes pointers cannot be copied)."""
-
-    def __deepcopy__(self, memo: dict) -> "_NotCopied":
-        return _NotCopied()
-
-    def __reduce__(self):
-        return (_NotCopied, ())
-
-
-# cuBLASLt configurations (cublasLtMatmulAlgoConfigAttributes_t values) for block GEMMs at (rows, K, N), chosen by
-# energy a call held at the power limit among those cuBLASLt accepts without a workspace (tools/cublaslt_algo_probe.py;
-# one H200, docs/benchmarks.md): the 57b shard's at tensor-parallel degree 3. The heuristic takes 128x128 tiles
-# in 1x2 clusters for all three.
-TUNED_ALGORITHMS: dict[tuple[int, int, int], dict[str, int]] = {
-    (757, 7680, 7680): {"id": 66, "tile": 32, "stages": 36, "cluster_shape": 6, "custom": 5},  # q/k/v: 128x192, 2x2
-    (757, 2560, 7680): {"id": 66, "tile": 32, "stages": 36, "cluster_shape": 5, "custom": 5},  # attention out: 128x192, 1x2
-    (757, 8192, 7680): {"id": 66, "tile": 31, "stages": 36, "cluster_shape": 3, "custom": 4},  # MLP out: 192x128, 2x1
-}
-
-
-@functools.cache
-def cublaslt_runs(device_index: int) -> bool:
-    """cuBLASLt's FP8 product with per-row x per-column scales and a residual read in its epilogue, called through
-    ctypes (engine/kernels/cublaslt.py), runs on this GPU and matches the float product; probed once per device,
-    one log line either way."""
-    feature = "FP8 out-projections with the gated residual sum in cuBLASLt's epilogue"
-    if torch.cuda.get_device_capability(device_index) < (9, 0):
-        log.info("%s off: outer-vector FP8 scaling needs Hopper or later; the gated sum runs as its own kernel", feature)
-        return False
-    try:
-        from engine.kernels import cublaslt
-
-        dev = torch.device("cuda", device_index)
-        g = torch.Generator(device=dev).manual_seed(0)
-        M, K, N = 48, 64, 32
-        x8, sx = quantize_rows_reference(torch.randn(M, K, device=dev, generator=g))
-        w8, sw = quantize_rows_reference(torch.randn(N, K, device=dev, generator=g))
-        residual = torch.randn(M, N, device=dev, generator=g).to(torch.bfloat16)
-        mm = cublaslt.ScaledMatmul(M, K, N, fast_accum=False)
-        mm.bind_scales(sx, sw)
-        got = mm(x8, sx.reshape(-1), w8, sw.reshape(-1), mm.algorithms(1)[0], residual=residual).float()
-        want = residual.float() + (x8.float() * sx) @ (w8.float() * sw).t()
-        err = ((got - want).norm() / want.norm()).item()
-        if not err < 1e-2:
-            raise RuntimeError(f"relative error {err:.3g} against the float product")
-    except Exception as e:  # no libcublasLt, a cuBLAS without outer-vector scaling, a wrong answer
-        log.info("%s off (%s: %s); the gated sum runs as its own kernel", feature, type(e).__name__, str(e)[:200])
-        return False
-    log.info("%s on (cuBLASLt %d, %s)", feature, cublaslt.version(), torch.cuda.get_device_name(device_index))
-    return True
-
-
 FP8_GEMM_ENV = "TALKLOOP_FP8_GEMM"  # "auto" (the default) or "cublas": every FP8 linear on cuBLAS, in every process
 
 
@@ -299,15 +196,11 @@ def default_gemm_kernels(device: torch.device | None, mlp_in_features: int) -> d
 
 
 def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False,
-                      gemm_kernels: dict[str, str] | None = None, combine_in_gemm: bool = False,
-                      tuned_algorithms: bool = True) -> nn.Module:
+                      gemm_kernels: dict[str, str] | None = None) -> nn.Module:
     """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
     (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention);
     `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only); `gemm_kernels`: the FP8
-    product's kernel per linear name (FP8_GEMM_KERNELS), over `default_gemm_kernels` (cuBLAS for a linear named in neither).
-    Where cuBLASLt runs through ctypes (`cublaslt_runs`): `tuned_algorithms`, the q/k/v and out-projection products at
-    shapes in TUNED_ALGORITHMS on the configuration found there; `combine_in_gemm`, each block's gated residual sum in
-    its out-projections' epilogues (measured slower in the 57b step, so off unless asked for; docs/benchmarks.md)."""
+    product's kernel per linear name (FP8_GEMM_KERNELS), over `default_gemm_kernels` (cuBLAS for a linear named in neither)."""
     on_gpu = [p.device for p in model.parameters() if p.is_cuda]
     defaults = default_gemm_kernels(on_gpu[0] if on_gpu else None, model.blocks[0].mlp_in.out_features)
     gemm_kernels = {**defaults, **(gemm_kernels or {})}
@@ -317,22 +210,15 @@ def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool 
 
     if on_gpu:
         prefer_static_gemm_schedule()
-    for block in model.blocks:
+    shared = FusedPass(model.blocks)
+    for index, block in enumerate(model.blocks):
+        block.fused_pass = (shared, index)
         for name in BLOCK_LINEARS:
             linear = getattr(block, name)
             if not isinstance(linear, FP8Linear):
                 # MLP-in's gate and up rows interleaved where they tile (the Triton kernel's SwiGLU form reads them so)
                 setattr(block, name, FP8Linear(linear, fast_accum=fast_accum, gemm_kernel=gemm_kernels.get(name, "cublas"),
                                                gate_up_block=swiglu_block(linear.out_features) if name == "mlp_in" else 0))
-    # after the swap: the pass keeps (weak) references to the FP8 out-projections
-    shared = FusedPass(model.blocks)
-    lt = bool(on_gpu) and cublaslt_runs(on_gpu[0].index or 0)
-    combine = fuse and combine_in_gemm and lt
-    for index, block in enumerate(model.blocks):
-        for name in ("qkv", "attn_out", "mlp_out"):
-            getattr(block, name).tuned_algorithms = lt and tuned_algorithms
-        block.fused_pass = (shared, index)
         block.fused_forward = block_forward if fuse else None
         block.branch_streams = fuse and branch_streams
-        block.combine_in_gemm = combine
     return model

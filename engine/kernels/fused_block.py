@@ -28,7 +28,6 @@ import triton.language as tl
 from engine import fp8
 from engine.kernels import FP_FUSION, interpreting
 from engine.kernels.common import to_fp8
-from engine.kernels.fp8_linear import quantize_rows
 
 
 @triton.jit
@@ -202,12 +201,6 @@ class FusedPass:
         self._key: tuple | None = None  # (mod, its version, captured): what self._tables was made from
         self._tables: torch.Tensor | None = None
         self._handover: tuple | None = None  # (residual, its version, mod, its version, next index, captured, h8, sh)
-        # The out-projections (attention's, MLP's) of every block (leaf modules: no cycle), for `gate_scales`: their
-        # FP8 weight scales, stacked (L, 2, dim), and those times the pass's gates.
-        self.out_projections = [(b.attn_out, b.mlp_out) for b in blocks]
-        self._weight_scales: torch.Tensor | None = None
-        self._weight_scale_key: list | None = None
-        self._gates: tuple | None = None  # (the tables they came from, the weight scales, (L, 2, dim) float32)
 
     def modulation(self, index: int, mod: torch.Tensor) -> torch.Tensor:
         """(4, dim): shift, scale, gate_attn, gate_mlp of block `index` for the pass's `mod` (4, dim)."""
@@ -225,26 +218,6 @@ class FusedPass:
             self._tables = mod + self._stacked
             self._key = key
         return self._tables[index]
-
-    def gate_scales(self, index: int, mod: torch.Tensor) -> torch.Tensor:
-        """(2, dim) float32: block `index`'s gate_attn and gate_mlp for the pass's `mod`, times its attention and MLP
-        out-projections' FP8 weight scales, for all blocks in one multiply a pass. A gate multiplies an output
-        column, as a weight scale does, so the out-projection's GEMM applies it (FP8Linear.forward_quantized_add)."""
-        self.modulation(index, mod)  # self._tables, fresh for `mod`
-        refs = self.out_projections
-        key = [(t.data_ptr(), _version(t)) for pair in refs for t in (pair[0].weight_scale, pair[1].weight_scale)]
-        if self._weight_scales is None or key != self._weight_scale_key:
-            stacked = torch.stack([torch.cat([a.weight_scale, m.weight_scale]) for a, m in refs])  # (L, 2, dim)
-            if (self._weight_scales is not None and self._weight_scales.shape == stacked.shape
-                    and not _capturing(stacked)):
-                self._weight_scales.copy_(stacked)  # in place, as the tables above
-            else:
-                self._weight_scales = stacked
-            self._weight_scale_key = key
-            self._gates = None
-        if self._gates is None or self._gates[0] is not self._tables or self._gates[1] is not self._weight_scales:
-            self._gates = (self._tables, self._weight_scales, self._tables[:, 2:4].float() * self._weight_scales)
-        return self._gates[2][index]
 
     def hand_over(self, residual: torch.Tensor, mod: torch.Tensor, index: int, h8: torch.Tensor, sh: torch.Tensor) -> None:
         """Keep block `index`'s input (h8, sh), made from `residual` under `mod`."""
@@ -271,7 +244,10 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     q/k/v GEMM or the whole attention chain first, the step measured slower on one H200 (104.2 and 105.8 ms
     against 103.7, in turns). The GEMMs' shared input padded with zero rows to 768 (cuBLAS then takes a kernel
     whose q/k/v product alone needed 2-8% less energy on two H200s) made the step slower on one H200 (103.95
-    against 103.37 ms, in turns; docs/benchmarks.md), so the products run on the frame's rows as they are."""
+    against 103.37 ms, in turns; docs/benchmarks.md), so the products run on the frame's rows as they are. So did
+    cuBLASLt's 128x192 and 192x128 kernels for q/k/v and the out-projections (1.5-2.2% less energy a call alone:
+    103.74 against 102.53 ms, in turns), and the gated residual sum in the out-projections' epilogues gained nothing
+    (103.77 against 103.66), so the products stay on torch._scaled_mm's kernel and the sum on its own kernel."""
     # Taking the table inside the two kernels that read it measured slower (more registers, more loads).
     shared, index = block.fused_pass
     shift, scale, gate_attn, gate_mlp = shared.modulation(index, mod).unbind(0)  # rows of a (4, dim) tensor: contiguous
@@ -279,20 +255,10 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     h8, sh = handed if handed is not None else ln_modulate_quant(x, shift, scale, block.norm.eps)
     side = branch_stream(x.device) if block.branch_streams and x.is_cuda else None
     fused_combine = block.fused_combine is not None
-    # The gated residual sum in the out-projections' epilogues: x + gate_mlp * mlp_out(s) on the MLP branch, then
-    # + gate_attn * attn_out(a) after the join
-    combine_in_gemm = block.combine_in_gemm and not fused_combine and block.reduce_is_identity()
 
     def mlp_branch():
         m8, sm = block.mlp_in.swiglu_quantized(h8, sh)
-        if combine_in_gemm:  # x + gate_mlp * mlp_out(s); the attention's out-projection adds its part after the join
-            return block.mlp_out.forward_quantized_add(m8, sm, gates[1], x)
         return (m8, sm) if fused_combine else block.mlp_out.forward_quantized(m8, sm)
-
-    if combine_in_gemm:
-        if shared.out_projections[index] != (block.attn_out, block.mlp_out):
-            raise RuntimeError(f"block {index}'s out-projections were replaced after quantize_linears_ set up its pass")
-        gates = shared.gate_scales(index, mod)  # (2, dim): the gates times the out-projections' weight scales
 
     if side is not None:
         here = torch.cuda.current_stream(x.device)
@@ -302,10 +268,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     H, D = block.q_norm.weight.shape  # heads local to this rank
     qkv = block.qkv.forward_quantized(h8, sh).view(-1, 3, H, D).permute(1, 2, 0, 3)  # (3, H, N, D) view
     a = attend(*qkv.unbind(0), head_norm=(stacked_gains(block), block.q_norm.eps), fp8_out=True)
-    if combine_in_gemm:
-        # e4m3 (N, H*D) and row scales from the attention, or its (H, N, D) output quantised here
-        a8, sa = a if isinstance(a, tuple) else quantize_rows(a.transpose(0, 1).flatten(-2).contiguous())
-    elif isinstance(a, tuple):  # e4m3 (N, H*D) with its row scales: no quantisation pass before the GEMM
+    if isinstance(a, tuple):  # e4m3 (N, H*D) with its row scales: no quantisation pass before the GEMM
         a = block.attn_out.forward_quantized(*a)
     else:  # (H, N, D)
         a = block.attn_out(a.transpose(0, 1).flatten(-2))
@@ -313,12 +276,6 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
         here.wait_stream(side)  # tensors made on the side stream are used here only after this join
     else:
         mlp = mlp_branch()
-    if combine_in_gemm:
-        y = block.attn_out.forward_quantized_add(a8, sa, gates[0], mlp, out=mlp)  # + gate_attn * attn_out(a), in place
-        if index + 1 < len(shared.tables):  # the next block's FP8 input, handed over
-            next_shift, next_scale = shared.modulation(index + 1, mod)[:2]
-            shared.hand_over(y, mod, index + 1, *ln_modulate_quant(y, next_shift, next_scale, shared.norm_eps[index + 1]))
-        return y
     if fused_combine:
         return x + block.fused_combine(*mlp, a, gate_attn, gate_mlp)
     if block.reduce_is_identity():

@@ -1,15 +1,15 @@
-"""cuBLASLt's FP8 GEMM through ctypes, with the algorithm chosen by the caller.
+"""cuBLASLt's FP8 GEMM through ctypes, with the algorithm chosen by the caller (for tools/cublaslt_algo_probe.py).
 
-`torch._scaled_mm` always runs the first algorithm cuBLASLt's heuristic ranks for a shape, and the
-heuristic ranks by time with the clock up. In the served step the GPU sits at its power limit, where
-a kernel costs the step its energy, so the engine wants to pick among the heuristic's candidates by
-joules a call (tools/cublaslt_algo_probe.py measures them). The product is the one FP8Linear
-computes, out (M, N) bf16 = (x8 (M, K) @ w8 (N, K)ᵀ) * sx (M, 1) * sw (1, N), with per-row and
-per-column scales (cuBLASLt's outer-vector scaling, cuBLAS >= 12.9) and optionally fast accumulation.
+`torch._scaled_mm` always runs the first algorithm cuBLASLt's heuristic ranks for a shape (at the 57b shard's
+block shapes it offers just one), and the heuristic ranks by time with the clock up. In the served step the GPU
+sits at its power limit, where a kernel costs the step its energy, so the probe enumerates every configuration
+cuBLASLt accepts and holds each at the power limit. The product is the one FP8Linear computes,
+out (M, N) bf16 = (x8 (M, K) @ w8 (N, K)ᵀ) * sx (M, 1) * sw (1, N), with per-row and per-column scales
+(cuBLASLt's outer-vector scaling, cuBLAS >= 12.9) and optionally fast accumulation.
 
 In cuBLASLt's column-major terms: D (N x M, ld N) = op(A) op(B) with A = w8 (K x N, ld K, transposed)
-and B = x8 (K x M, ld K), the A scale a vector over N and the B scale one over M. No workspace: the
-calls capture into CUDA graphs as they are and need no memset.
+and B = x8 (K x M, ld K), the A scale a vector over N and the B scale one over M. No workspace, as the
+engine runs cuBLASLt (engine/kernels/fp8_linear.py): the calls capture into CUDA graphs and need no memset.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class ScaledMatmul:
         self._a = self._layout(_CUDA_R_8F_E4M3, K, N, K)   # w8 (N, K) row-major
         self._b = self._layout(_CUDA_R_8F_E4M3, K, M, K)   # x8 (M, K) row-major
         self._d = self._layout(_CUDA_R_16BF, N, M, N)      # out (M, N) row-major
-        self._alpha, self._beta, self._one = ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_float(1.0)
+        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def _set(self, attr: int, value: ctypes._SimpleCData) -> None:
         _check(library().cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
@@ -210,9 +210,8 @@ class ScaledMatmul:
         return found
 
     def __call__(self, x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, algo: Algorithm,
-                 out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """out = (x8 @ w8ᵀ) * sx * sw (+ residual, read in the epilogue: cuBLASLt's beta = 1 with C = residual;
-        out may be residual itself), on the current stream."""
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """out = (x8 @ w8ᵀ) * sx * sw on the current stream, with `algo`."""
         M, K, N = self.shape
         if x8.shape != (M, K) or w8.shape != (N, K) or not (x8.is_contiguous() and w8.is_contiguous()):
             raise ValueError(f"ScaledMatmul{self.shape} takes contiguous x8 ({M}, {K}) and w8 ({N}, {K}), "
@@ -221,19 +220,16 @@ class ScaledMatmul:
             if v.numel() != n or v.dtype != torch.float32 or v.reshape(-1).stride(0) != 1 or v.data_ptr() % 16:
                 raise ValueError(f"{name} must be {n} contiguous float32 values at a 16-byte aligned address, "
                                  f"got {tuple(v.shape)} {v.dtype} at offset {v.data_ptr() % 16}")
-        for name, t in (("out", out), ("residual", residual)):
-            if t is not None and (t.shape != (M, N) or t.dtype != torch.bfloat16 or not t.is_contiguous()):
-                raise ValueError(f"{name} must be a contiguous bf16 ({M}, {N}), got {tuple(t.shape)} {t.dtype}")
+        if out is not None and (out.shape != (M, N) or out.dtype != torch.bfloat16 or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous bf16 ({M}, {N}), got {tuple(out.shape)} {out.dtype}")
         if algo.workspace_bytes:
             raise ValueError("algorithms that need a workspace are not run here")
         out = torch.empty(M, N, device=x8.device, dtype=torch.bfloat16) if out is None else out
-        c = out if residual is None else residual
         self.bind_scales(sx, sw)
         stream = ctypes.c_void_p(torch.cuda.current_stream(x8.device).cuda_stream)
         _check(library().cublasLtMatmul(_handle(), self._desc, ctypes.byref(self._alpha), ctypes.c_void_p(w8.data_ptr()),
-                                        self._a, ctypes.c_void_p(x8.data_ptr()), self._b,
-                                        ctypes.byref(self._beta if residual is None else self._one),
-                                        ctypes.c_void_p(c.data_ptr()), self._d, ctypes.c_void_p(out.data_ptr()), self._d,
+                                        self._a, ctypes.c_void_p(x8.data_ptr()), self._b, ctypes.byref(self._beta),
+                                        ctypes.c_void_p(out.data_ptr()), self._d, ctypes.c_void_p(out.data_ptr()), self._d,
                                         ctypes.byref(algo.raw), None, ctypes.c_size_t(0), stream), "cublasLtMatmul")
         return out
 
