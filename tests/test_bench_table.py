@@ -141,7 +141,8 @@ def test_cublaslt_configurations_list_the_heuristic_then_the_least_energy_and_th
     text = "\n".join(lines)
     assert "cuBLASLt 13.1.0" in text and "| qkv | 3 others | `nvjet_default` torch._scaled_mm (the heuristic's) |" in text
     rows = [line for line in lines if line.startswith("|  |")]
-    assert [r.split("`")[1] for r in rows] == ["nvjet_a", "nvjet_b"]  # least energy first; rank0 is the heuristic's again
+    assert [r.split("`")[1] for r in rows] == ["nvjet_default", "nvjet_a", "nvjet_b"]  # the same kernel, then least energy first
+    assert "the same, through the probe's binding (the measurement's spread) | 80.0 | 1500 | 54.20 |" in rows[0]
     assert "timed in turns" not in text
     step = {"serving": {"step_ms_without_tuned_algorithms": 102.5, "step_ms_without_tuned_algorithms_serving": 103.7,
                         "step_ms_with_combine_in_gemm": 103.8, "step_ms_with_combine_in_gemm_serving": 103.6}}

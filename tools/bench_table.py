@@ -760,7 +760,8 @@ def cublaslt_configurations(probe: dict | None, step: dict | None, best: int = 3
            "heuristic, which torch._scaled_mm follows, offers one algorithm; the probe enumerates every configuration "
            "cuBLASLt accepts without a workspace (its large tiles, stages, custom options and 1x1, 2x1, 1x2, 2x2 clusters), "
            "checks each against torch._scaled_mm's product, and holds the fastest with the clock up at the power limit "
-           "as above. The heuristic's kernel and the least energy a call:", "",
+           "as above, after torch._scaled_mm's own call and the binding's call of the same kernel, whose difference "
+           "shows the spread of one measurement. The heuristic's kernel and the least energy a call:", "",
            "| GEMM | configurations accepted | kernel | us a call at the limit | SM clock MHz | mJ a call | pJ per FLOP |",
            "|---|---|---|---|---|---|---|"]
     for name in ("qkv", "attn_out", "mlp_out"):
@@ -769,10 +770,12 @@ def cublaslt_configurations(probe: dict | None, step: dict | None, best: int = 3
             continue
         held = sorted(((v["mj_per_call"], k) for k, v in row.items()
                        if isinstance(v, dict) and "mj_per_call" in v and k.startswith("rank") and k != "rank0"))
-        for i, key in enumerate(["scaled_mm"] + [k for _, k in held[:best]]):
+        same = ["rank0"] if "mj_per_call" in row.get("rank0", {}) else []
+        for i, key in enumerate(["scaled_mm"] + same + [k for _, k in held[:best]]):
             r = row[key]
             kernel = next((k for k in r.get("kernels", []) if k.startswith("nvjet")), "")
-            label = "torch._scaled_mm (the heuristic's)" if key == "scaled_mm" else ""
+            label = {"scaled_mm": "torch._scaled_mm (the heuristic's)",
+                     "rank0": "the same, through the probe's binding (the measurement's spread)"}.get(key, "")
             out.append(f"| {name if i == 0 else ''} | {(str(row.get('enumerated', '')) + ' others') if i == 0 else ''} | "
                        f"`{kernel}`{' ' + label if label else ''} | {r['us_per_call']:.1f} | {r['sm_clock_mhz']:.0f} | "
                        f"{r['mj_per_call']:.2f} | {r['pj_per_flop']:.3f} |")
