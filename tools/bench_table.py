@@ -688,6 +688,11 @@ WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on
 CALLS_PER_STEP = {"qkv": 240, "attn_out": 240, "mlp_out": 240, "mlp_in_swiglu": 240, "gated_sum_ln_quant": 236, "quant_rows": 240}
 
 
+def cublas_kernel(measured: dict) -> str:
+    """The cuBLAS (nvjet) kernel among a probe measurement's kernel names, or ''."""
+    return next((k for k in measured.get("kernels", []) if k.startswith("nvjet")), "")
+
+
 def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
     """Each block kernel's energy a call held at the power limit (tools/gemm_energy_probe.py), and the step with its
     GEMM operand padded to 768 rows against the unpadded one (`padded`: a step result whose serving path padded)."""
@@ -717,7 +722,7 @@ def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
         for how, r in (probe.get(name) or {}).items():
             if "mj_per_call" not in r:
                 continue
-            kernel = next((k for k in r.get("kernels", []) if k.startswith("nvjet")), "")
+            kernel = cublas_kernel(r)
             per_step = f"{r['mj_per_call'] * CALLS_PER_STEP[name] / 1000:.1f}" if name in CALLS_PER_STEP else ""
             out.append(f"| {name} | {label(how)} | {('`' + kernel + '`') if kernel else ''} | "
                        f"{r['us_clock_up']:.1f} | {r['us_per_call']:.1f} | {r['sm_clock_mhz']:.0f} | {r['mj_per_call']:.1f} | "
@@ -773,7 +778,7 @@ def cublaslt_configurations(probe: dict | None, step: dict | None, best: int = 3
         same = ["rank0"] if "mj_per_call" in row.get("rank0", {}) else []
         for i, key in enumerate(["scaled_mm"] + same + [k for _, k in held[:best]]):
             r = row[key]
-            kernel = next((k for k in r.get("kernels", []) if k.startswith("nvjet")), "")
+            kernel = cublas_kernel(r)
             label = {"scaled_mm": "torch._scaled_mm (the heuristic's)",
                      "rank0": "the same, through the probe's binding (the measurement's spread)"}.get(key, "")
             out.append(f"| {name if i == 0 else ''} | {(str(row.get('enumerated', '')) + ' others') if i == 0 else ''} | "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -58,8 +59,6 @@ class CublasLtError(RuntimeError):
 @functools.cache
 def library() -> ctypes.CDLL:
     """The libcublasLt torch loaded (its soname first, then torch's own nvidia/*/lib directories)."""
-    import torch.cuda
-
     names = ["libcublasLt.so.13", "libcublasLt.so.12"]
     site = os.path.dirname(os.path.dirname(torch.__file__))
     names += sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcublasLt.so.*")))
@@ -84,6 +83,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cublasLtMatmulPreferenceCreate": [p(vp)],
         "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
         "cublasLtMatmulPreferenceDestroy": [vp],
+        "cublasLtMatrixLayoutDestroy": [vp],
+        "cublasLtMatmulDescDestroy": [vp],
         "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, p(_HeuristicResult), p(i32)],
         "cublasLtMatmulAlgoConfigGetAttribute": [p(_Algo), i32, vp, sz, p(sz)],
         "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, p(_Algo), vp, sz, vp],
@@ -117,8 +118,8 @@ def version() -> int:
 
 @dataclass
 class Algorithm:
-    """One of the heuristic's candidates: its rank (0 = what torch._scaled_mm runs), its configuration and the
-    waves the heuristic expects it to fill."""
+    """A configuration to run: its rank among the heuristic's candidates (0 = what torch._scaled_mm runs; -1 for one
+    `ScaledMatmul.enumerate` found), its configuration attributes and the waves cuBLASLt expects it to fill."""
     rank: int
     config: dict[str, int]
     waves: float
@@ -144,6 +145,15 @@ class ScaledMatmul:
         self._b = self._layout(_CUDA_R_8F_E4M3, K, M, K)   # x8 (M, K) row-major
         self._d = self._layout(_CUDA_R_16BF, N, M, N)      # out (M, N) row-major
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def __del__(self) -> None:
+        """Release the descriptor and layouts (a probe makes one of these per shape)."""
+        lib = library()
+        for lay in (getattr(self, name, None) for name in ("_a", "_b", "_d")):
+            if lay:
+                lib.cublasLtMatrixLayoutDestroy(lay)
+        if getattr(self, "_desc", None):
+            lib.cublasLtMatmulDescDestroy(self._desc)
 
     def _set(self, attr: int, value: ctypes._SimpleCData) -> None:
         _check(library().cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
@@ -191,22 +201,20 @@ class ScaledMatmul:
             base = _Algo()
             if lib.cublasLtMatmulAlgoInit(h, *types, algo_id, ctypes.byref(base)) != 0:
                 continue
+            algo_tiles = [t for t in _cap_array(base, _CAP_TILE_IDS, ctypes.c_uint32) if t in tiles]
+            stage_ids = _cap_array(base, _CAP_STAGES_IDS, ctypes.c_uint32) or [0]
             custom_max = _cap_array(base, _CAP_CUSTOM_OPTION_MAX, ctypes.c_int32)
-            for tile in (t for t in _cap_array(base, _CAP_TILE_IDS, ctypes.c_uint32) if t in tiles):
-                for stages in _cap_array(base, _CAP_STAGES_IDS, ctypes.c_uint32) or [0]:
-                    for cluster in clusters:
-                        for custom in range((custom_max[0] if custom_max else 0) + 1):
-                            algo = _Algo.from_buffer_copy(base)
-                            for attr, ctype, value in ((_CONFIG["tile"][0], ctypes.c_uint32, tile),
-                                                       (_CONFIG["stages"][0], ctypes.c_uint32, stages),
-                                                       (_CONFIG["cluster_shape"][0], ctypes.c_uint16, cluster),
-                                                       (_CONFIG["custom"][0], ctypes.c_uint32, custom)):
-                                v = ctype(value)
-                                lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), ctypes.sizeof(v))
-                            result = _HeuristicResult()
-                            if (lib.cublasLtMatmulAlgoCheck(h, self._desc, self._a, self._b, self._d, self._d, ctypes.byref(algo),
-                                                            ctypes.byref(result)) == 0 and result.workspace_size == 0):
-                                found.append(Algorithm(-1, _config(algo), float(result.waves), 0, algo))
+            customs = range((custom_max[0] if custom_max else 0) + 1)
+            for tile, stages, cluster, custom in itertools.product(algo_tiles, stage_ids, clusters, customs):
+                algo = _Algo.from_buffer_copy(base)
+                for name, value in (("tile", tile), ("stages", stages), ("cluster_shape", cluster), ("custom", custom)):
+                    attr, ctype = _CONFIG[name]
+                    v = ctype(value)
+                    lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), ctypes.sizeof(v))
+                result = _HeuristicResult()
+                if (lib.cublasLtMatmulAlgoCheck(h, self._desc, self._a, self._b, self._d, self._d, ctypes.byref(algo),
+                                                ctypes.byref(result)) == 0 and result.workspace_size == 0):
+                    found.append(Algorithm(-1, _config(algo), float(result.waves), 0, algo))
         return found
 
     def __call__(self, x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, algo: Algorithm,
