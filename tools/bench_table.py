@@ -748,6 +748,14 @@ def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
     return out
 
 
+def image_triton() -> str:
+    """For a result that predates recording Triton's version: the machine image's, from docs/results/gpu_h200.txt."""
+    path = RESULTS / "gpu_h200.txt"
+    words = path.read_text().split() if path.is_file() else []
+    version = words[words.index("triton") + 1] if "triton" in words[:-1] else "?"
+    return f" (Triton {version} on the machine image, docs/results/gpu_h200.txt; the probe runs no Triton kernel)"
+
+
 def lt_version(v: int | None) -> str:
     """cublasLtGetVersion's integer (major * 10000 + minor * 100 + patch) as major.minor.patch."""
     return "?" if v is None else f"{v // 10000}.{v // 100 % 100}.{v % 100}"
@@ -761,7 +769,9 @@ def cublaslt_configurations(probe: dict | None, step: dict | None, best: int = 3
         return []
     out = [f"cuBLASLt's own alternatives (command: `{probe.get('command', 'python tools/cublaslt_algo_probe.py')}`, result "
            "`docs/results/cublaslt_algo_probe_h200.json`; one "
-           f"{probe.get('device', '?')}, torch {probe.get('torch', '?')}, cuBLASLt {lt_version(probe.get('cublaslt'))}): at these shapes its "
+           f"{probe.get('device', '?')}, torch {probe.get('torch', '?')}"
+           + (f", Triton {probe['triton']}" if "triton" in probe else image_triton())
+           + f", cuBLASLt {lt_version(probe.get('cublaslt'))}): at these shapes its "
            "heuristic, which torch._scaled_mm follows, offers one algorithm; the probe enumerates every configuration "
            "cuBLASLt accepts without a workspace (its large tiles, stages, custom options and 1x1, 2x1, 1x2, 2x2 clusters), "
            "checks each against torch._scaled_mm's product, and holds the fastest with the clock up at the power limit "

@@ -39,7 +39,10 @@ def main() -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     meter = EnergyMeter.open(dev)
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cublaslt": cublaslt.version(), "M": M,
+    import triton
+
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                 "cublaslt": cublaslt.version(), "M": M,
                  "power_limit_w": meter.power_limit_w() if meter else None}
     for name in args.shapes.split(","):
         res[name] = probe_shape(*SHAPES[name], dev, g, meter, args)
