@@ -235,8 +235,10 @@ class RingKVCache:
         self.valid[:n] = 1
         return reference_self_attention(self.rope, q, k, v)
 
-    def begin_step(self, step: int) -> None:
-        """Advance to `step`: reset positions if due, then re-derive the sink's keys."""
+    def begin_step(self, step: int, write_sink: bool = True) -> None:
+        """Advance to `step`: reset positions if due, then re-derive the sink's keys (unless `write_sink` is
+        False: a session whose CUDA graph writes them, from the device positions set here, calls
+        write_sink_keys inside it)."""
         check_next_step(self.step, step)
         self.step = step
         if step == 0:
@@ -250,7 +252,8 @@ class RingKVCache:
             self.slot.fill_(self.frame_slot(step))
             if step <= self.spec.window_frames:  # once the window has filled, no slot turns live any more
                 self.attention.mark_live_tiles(self.valid)
-        self.write_sink_keys()
+        if write_sink:
+            self.write_sink_keys()
 
     def rotate_window(self, count: bool = True) -> None:
         """Position reset: every cached frame key moves back `reset_every` frames in one rotation."""

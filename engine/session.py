@@ -88,6 +88,8 @@ class EngineSession:
         # Per pass, the time modulation: a function of the noise schedule and the time weights only (_refresh_modulations)
         self._time_mods: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._time_key: tuple | None = None
+        # The parameters time_modulation reads, listed once: the key above follows their storage and versions
+        self._time_weights: list[torch.Tensor] | None = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.steps_done = 0
         self.started = False
@@ -145,12 +147,15 @@ class EngineSession:
 
     def _audio_window(self) -> torch.Tensor:
         """(audio_window, n_mels) features of frames [4t - ctx, 4t + 4 + ctx), silence where missing."""
-        first = self.next_frame - self.spec.audio_context
-        rows = []
-        for f in range(first, first + self.spec.audio_window):
-            i = f - self._features_start
-            rows.append(self._features[i] if 0 <= i < self._features.shape[0] else self._silence)
-        return torch.stack(rows)
+        n = self.spec.audio_window
+        i = self.next_frame - self.spec.audio_context - self._features_start  # the window's first row in the timeline
+        # the timeline has no holes (push_audio_features fills gaps with silence): silence, pushed rows, silence
+        before = min(max(-i, 0), n)
+        pushed = max(0, min(i + n, self._features.shape[0]) - max(i, 0))
+        rows = self._features[max(i, 0) : max(i, 0) + pushed]
+        if pushed == n:  # all pushed: a view, no copy
+            return rows
+        return torch.cat([self._silence.expand(before, -1), rows, self._silence.expand(n - before - pushed, -1)])
 
     def _drop_consumed_features(self) -> None:
         first_needed = self.next_frame - self.spec.audio_context
@@ -166,12 +171,13 @@ class EngineSession:
         s = self.spec
         audio = self._audio_window()
         self._refresh_modulations()  # here, outside any graph capture; the passes read self._time_mods
-        self.cache.begin_step(self.steps_done)
-        noise = torch.randn((s.latent_channels, *s.latent_grid), generator=self.generator, device=self.device).to(self.dtype)
-        if self.cuda_graph:
-            x = self._replay(noise, audio)
+        if self.cuda_graph:  # the graph writes the sink's keys itself (from device positions): no launch here
+            self.cache.begin_step(self.steps_done, write_sink=False)
+            x = self._replay(audio)
         else:
-            x = self._denoise(noise, audio)
+            self.cache.begin_step(self.steps_done)
+            noise = torch.randn((s.latent_channels, *s.latent_grid), generator=self.generator, device=self.device)
+            x = self._denoise(noise.to(self.dtype), audio)
         self.cache.end_step()
         self.steps_done += 1
         self._drop_consumed_features()
@@ -182,7 +188,9 @@ class EngineSession:
         every step. The schedule is fixed for the session and the time weights rarely change; on the 57b
         shape its matrix-vector products read about 0.9 GB a pass. Where a time weight changed in place
         since, the same tensors are refilled, so a captured graph reads the new values too."""
-        key = tuple((w.data_ptr(), 0 if w.is_inference() else w._version) for w in self.model.time_weights())
+        if self._time_weights is None:
+            self._time_weights = self.model.time_weights()
+        key = tuple((w.data_ptr(), 0 if w.is_inference() else w._version) for w in self._time_weights)
         if key == self._time_key:
             return
         fresh = [self.model.time_modulation(self.levels[i]) for i in range(self.spec.passes)]
@@ -201,14 +209,27 @@ class EngineSession:
             x = x + (self.levels[i + 1] - self.levels[i]).to(self.dtype) * v
         return x
 
-    def _replay(self, noise: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
-        """The passes as one CUDA graph: static inputs, captured on first use.
+    def _graph_body(self) -> torch.Tensor:
+        """What the step's CUDA graph runs: the sink's keys at this step's position, then all passes."""
+        self.cache.write_sink_keys()
+        return self._denoise(self._noise, self._audio)
+
+    def _replay(self, audio: torch.Tensor) -> torch.Tensor:
+        """The sink write and the passes as one CUDA graph: static inputs, captured on first use; the step's
+        noise is drawn into them here, as the eager step draws it.
 
         Every pass rewrites the frame's slot and positions come from device tensors
         set by begin_step, so warm-up and capture leave the cache as a plain step would.
         """
+        s = self.spec
         if self._graph is None:
-            self._noise, self._audio = noise.clone(), audio.clone()
+            self._noise32 = torch.empty((s.latent_channels, *s.latent_grid), device=self.device)
+            self._noise = torch.empty_like(self._noise32, dtype=self.dtype)
+            self._audio = torch.empty_like(audio)
+        torch.randn(self._noise32.shape, generator=self.generator, device=self.device, out=self._noise32)
+        self._noise.copy_(self._noise32)
+        self._audio.copy_(audio)
+        if self._graph is None:  # warmed up and captured on this step's inputs
             # timing marks: when the inputs are in, and (recorded inside the graph) when it starts and ends
             self._inputs_in = torch.cuda.Event(enable_timing=True)
             self._graph_marks = tuple(torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
@@ -216,16 +237,14 @@ class EngineSession:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._denoise(self._noise, self._audio)
+                    self._graph_body()
             torch.cuda.current_stream(self.device).wait_stream(side)
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
                 self._graph_marks[0].record()
-                self._out = self._denoise(self._noise, self._audio)
+                self._out = self._graph_body()
                 self._graph_marks[1].record()
-            log.info("captured the step's %d passes in a CUDA graph", self.spec.passes)
-        self._noise.copy_(noise)
-        self._audio.copy_(audio)
+            log.info("captured the step's sink write and %d passes in a CUDA graph", self.spec.passes)
         self._inputs_in.record()
         self._graph.replay()
         return self._out.clone()

@@ -94,6 +94,27 @@ def test_feature_timeline_fills_gaps_with_silence_and_overwrites(model):
         s.push_audio_features(torch.zeros(1, TINY.n_mels), start_frame=0)
 
 
+def test_audio_window_of_pushed_frames_is_the_frames_rows(model):
+    """Where every frame of the window was pushed, the window is those rows of the timeline, step after step
+    (also after frames before it were dropped), as where some are missing and silence stands in."""
+    s = EngineSession(model)
+    s.start(reference_latent())
+    features = torch.arange(30 * TINY.n_mels, dtype=torch.float32).reshape(30, TINY.n_mels)
+    s.push_audio_features(features, start_frame=-TINY.audio_context)  # frames -1 .. 28
+    for _ in range(3):
+        first = s.next_frame - TINY.audio_context
+        rows = features[first + TINY.audio_context : first + TINY.audio_context + TINY.audio_window]
+        assert torch.equal(s._audio_window(), rows.to(s._audio_window().dtype))
+        s.step()
+    # frames past the last one pushed are silence, as are the frames of a gap before the first
+    fresh = EngineSession(model)
+    fresh.start(reference_latent())
+    fresh.push_audio_features(features[:3], start_frame=1)  # frames 1 .. 3 of the window -1 .. 4
+    window = fresh._audio_window()
+    assert all(torch.equal(window[r], fresh._silence) for r in (0, 1, 5))
+    assert torch.equal(window[2:5], features[:3].to(window.dtype))
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
