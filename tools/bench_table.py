@@ -257,7 +257,7 @@ def power_summary(name: str) -> str | None:
     power = [float(r[3].split()[0]) for r in busy]
     capped = sum(1 for r in busy if int(r[6].strip(), 16) & 0x4)  # clocks_event_reasons: SW power cap
     return (f"Clock and power through `bash tools/gpu_suite.sh step` (the two profiles, eager and graph-replayed, then "
-            f"a run of the step benchmark, in one call at the serving code of the step above; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
+            f"a run of the step benchmark, in one call at the earlier commit of the profiles above; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
             f"{statistics.median(clock):.0f} MHz (min {min(clock):.0f}, max {float(busy[0][2].split()[0]):.0f}), power median "
             f"{statistics.median(power):.0f} W of a {busy[0][4].strip()} limit; the software power cap was holding the clock "
             f"down in {capped / len(busy):.0%} of these samples.")
@@ -388,8 +388,24 @@ def step_graph_time(s: dict) -> list[str]:
         line += f" and {ms(s['step_graph_ms_at_realtime_cadence'])} ms at the cadence"
     line += (f"; it starts {1e3 * s['graph_launch_lag_ms']:.0f} us after the step's inputs are copied in "
              f"(`graph_launch_lag_ms`). The rest of the back-to-back step, {ms(s['step_ms'] - s['step_graph_ms'])} ms, is "
-             "the host's work before the graph (the audio window, the sink's keys, the noise) and the copy of its output.")
+             "the host's work before the graph (the audio window, the step's positions, the noise) and the copy of its "
+             "output; the sink's keys are written inside the graph.")
     return [line, ""]
+
+
+def host_share_before(step: dict, name: str) -> list[str]:
+    """The run before the sink's keys moved into the step's graph (result `name`): the back-to-back step's part outside
+    its graph there and here. That part is the host's; the graph's own time moves with the machine."""
+    earlier = load(name)
+    s = step["serving"]
+    if not earlier or "step_graph_ms" not in earlier["serving"] or "step_graph_ms" not in s:
+        return []
+    e = earlier["serving"]
+    return [f"The run before the step's graph wrote the sink's keys itself and the noise was drawn into its input "
+            f"({earlier.get('date', '?')}, result `docs/results/{name}`, in another session on a machine of the same "
+            f"kind): {ms(e['step_ms'])} ms per step, its graph {ms(e['step_graph_ms'])} ms and the rest "
+            f"{ms(e['step_ms'] - e['step_graph_ms'])} ms; here {ms(s['step_ms'])}, {ms(s['step_graph_ms'])} and "
+            f"{ms(s['step_ms'] - s['step_graph_ms'])} ms.", ""]
 
 
 def step_timeline(t: dict | None, step: dict | None = None) -> list[str]:
@@ -631,8 +647,10 @@ def repeat_runs() -> list[str]:
                      + ", ".join(f"{r['serving']['step_ms']:.1f} ms at {r['serving']['step_joules']:.1f} J a step "
                                  f"(`{name}`)" for name, r in step))
     dates = sorted({r.get("date", "?") for _, r in att + step})
-    return [f"Repeats of the target commands at the same engine code, in one later call on a machine of the same kind "
-            f"started afresh ({', '.join(dates)}; results in `docs/results/`): " + "; ".join(parts) + ".", ""]
+    step_code = (" (the step's at the engine code of `step_57b_tp3_h200_2026-12-01.json`, before its graph wrote the "
+                 "sink's keys; the attention kernels are unchanged since)") if (RESULTS / "step_57b_tp3_h200_2026-12-01.json").exists() else ""
+    return [f"Repeats of the target commands, in one later call on a machine of the same kind started afresh"
+            f"{step_code} ({', '.join(dates)}; results in `docs/results/`): " + "; ".join(parts) + ".", ""]
 
 
 def earlier_step_run(step: dict, name: str) -> list[str]:
@@ -861,6 +879,7 @@ def main() -> None:
                     "The target row above is the back-to-back figure.", ""]
         out += step_graph_time(s)
         out += step_energy(step)
+        out += host_share_before(step, "step_57b_tp3_h200_2026-12-01.json")
         out += earlier_step_run(step, "step_57b_tp3_h200_2026-11-30.json")
         for key, setting, what in (("step_ms_with_branch_streams", "branch-streams on", "each block's MLP branch on a side stream"),
                                    ("step_ms_without_branch_streams", "branch-streams off", "each block's MLP branch in line"),
