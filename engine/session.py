@@ -168,7 +168,6 @@ class EngineSession:
         """Denoise the next latent frame (C, h, w)."""
         if not self.started:
             raise ValueError("session not started: call start(reference_latent) first")
-        s = self.spec
         audio = self._audio_window()
         self._refresh_modulations()  # here, outside any graph capture; the passes read self._time_mods
         if self.cuda_graph:  # the graph writes the sink's keys itself (from device positions): no launch here
@@ -176,12 +175,17 @@ class EngineSession:
             x = self._replay(audio)
         else:
             self.cache.begin_step(self.steps_done)
-            noise = torch.randn((s.latent_channels, *s.latent_grid), generator=self.generator, device=self.device)
-            x = self._denoise(noise.to(self.dtype), audio)
+            x = self._denoise(self._draw_noise().to(self.dtype), audio)
         self.cache.end_step()
         self.steps_done += 1
         self._drop_consumed_features()
         return x
+
+    def _draw_noise(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's starting noise, float32 (C, h, w), from the session's generator: one draw per step, the same
+        numbers whether the step runs eagerly or as a graph (`out`: the graph's input buffer)."""
+        s = self.spec
+        return torch.randn((s.latent_channels, *s.latent_grid), generator=self.generator, device=self.device, out=out)
 
     def _refresh_modulations(self) -> None:
         """Per pass, model.time_modulation(levels[i]) into self._time_mods: made once, not at every pass of
@@ -221,13 +225,12 @@ class EngineSession:
         Every pass rewrites the frame's slot and positions come from device tensors
         set by begin_step, so warm-up and capture leave the cache as a plain step would.
         """
-        s = self.spec
         if self._graph is None:
+            s = self.spec
             self._noise32 = torch.empty((s.latent_channels, *s.latent_grid), device=self.device)
             self._noise = torch.empty_like(self._noise32, dtype=self.dtype)
             self._audio = torch.empty_like(audio)
-        torch.randn(self._noise32.shape, generator=self.generator, device=self.device, out=self._noise32)
-        self._noise.copy_(self._noise32)
+        self._noise.copy_(self._draw_noise(out=self._noise32))
         self._audio.copy_(audio)
         if self._graph is None:  # warmed up and captured on this step's inputs
             # timing marks: when the inputs are in, and (recorded inside the graph) when it starts and ends
