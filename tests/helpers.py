@@ -18,6 +18,11 @@ TINY = get_spec("tiny")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of a against b, in float32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def run_script(path: Path, text: str, timeout: float) -> subprocess.CompletedProcess:
     """Write `text` to `path` and run it as a fresh Python process from the repository root (its own interpreter
     start and exit, what the test looks at), stdout and stderr captured."""

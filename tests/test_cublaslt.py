@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from engine.kernels.fp8_linear import quantize_rows_reference
+from tests.helpers import rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def test_the_ctypes_product_is_torch_scaled_mm_on_every_configuration_cublaslt_accepts():

@@ -20,15 +20,12 @@ pytest.importorskip("triton")
 from engine.kernels.fp8_gemm import FP8GEMM, fp8_gemm_reference, interleave_gate_up  # noqa: E402
 from engine.kernels.fp8_linear import FP8Linear, default_gemm_kernels  # noqa: E402
 from engine.kernels.fused_block import swiglu_quant  # noqa: E402
+from tests.helpers import rel  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Small tiles keep the interpreter quick; the GPU's FP8 tensor cores take 64-row tiles and up.
 TILES = dict(block_m=32, block_n=64, block_k=32) if DEVICE.type == "cpu" else dict(block_m=64, block_n=64, block_k=64, num_warps=4)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def operands(M, K, rows, device=DEVICE, seed=0):

@@ -393,7 +393,11 @@ def step_graph_time(s: dict) -> list[str]:
     return [line, ""]
 
 
-def host_share_before(step: dict, name: str) -> list[str]:
+# The step's run before its graph wrote the sink's keys (the engine code the step's repeat ran at)
+STEP_BEFORE_GRAPH_SINK = "step_57b_tp3_h200_2026-12-01.json"
+
+
+def host_share_before(step: dict, name: str = STEP_BEFORE_GRAPH_SINK) -> list[str]:
     """The run before the sink's keys moved into the step's graph (result `name`): the back-to-back step's part outside
     its graph there and here. That part is the host's; the graph's own time moves with the machine."""
     earlier = load(name)
@@ -647,8 +651,8 @@ def repeat_runs() -> list[str]:
                      + ", ".join(f"{r['serving']['step_ms']:.1f} ms at {r['serving']['step_joules']:.1f} J a step "
                                  f"(`{name}`)" for name, r in step))
     dates = sorted({r.get("date", "?") for _, r in att + step})
-    step_code = (" (the step's at the engine code of `step_57b_tp3_h200_2026-12-01.json`, before its graph wrote the "
-                 "sink's keys; the attention kernels are unchanged since)") if (RESULTS / "step_57b_tp3_h200_2026-12-01.json").exists() else ""
+    step_code = (f" (the step's at the engine code of `{STEP_BEFORE_GRAPH_SINK}`, before its graph wrote the "
+                 "sink's keys; the attention kernels are unchanged since)") if (RESULTS / STEP_BEFORE_GRAPH_SINK).exists() else ""
     return [f"Repeats of the target commands, in one later call on a machine of the same kind started afresh"
             f"{step_code} ({', '.join(dates)}; results in `docs/results/`): " + "; ".join(parts) + ".", ""]
 
@@ -879,7 +883,7 @@ def main() -> None:
                     "The target row above is the back-to-back figure.", ""]
         out += step_graph_time(s)
         out += step_energy(step)
-        out += host_share_before(step, "step_57b_tp3_h200_2026-12-01.json")
+        out += host_share_before(step)
         out += earlier_step_run(step, "step_57b_tp3_h200_2026-11-30.json")
         for key, setting, what in (("step_ms_with_branch_streams", "branch-streams on", "each block's MLP branch on a side stream"),
                                    ("step_ms_without_branch_streams", "branch-streams off", "each block's MLP branch in line"),
