@@ -12,7 +12,14 @@ that cuBLAS would write and the SwiGLU pass read back never exists (half the byt
 
 The engine serves MLP-in with the SwiGLU form on Hopper and the other linears with cuBLAS
 (`torch._scaled_mm`): `engine.bench step` times the step with MLP-in on cuBLAS instead, and with all
-four block linears on this kernel (docs/benchmarks.md).
+four block linears on this kernel (docs/benchmarks.md). At the 57b shard's N = 7680 products the tiles fall
+short of whole rounds of SMs (180 of 128x256: 1.36 rounds of 132), which costs energy a call: on one H200 the
+128x256 form took 0.55 pJ per FLOP with N = 16896 (396 tiles: three whole rounds) against 0.68-0.69 at N = 7680 (cuBLAS: 0.55
+and 0.61).
+A stream-K form (whole rounds of tiles, then the tiles left over cut into one equal run of k-blocks a program,
+partial sums through global memory, the last program to arrive at a tile summing them) was slower still there:
+q/k/v 90.6 us a call with the clock up against 66.2 us on cuBLAS in the same run (82.6 us in two whole rounds in
+another), so it was not kept.
 On the CPU it runs under TRITON_INTERPRET=1; `fp8_gemm_reference` is the plain PyTorch computation.
 """
 

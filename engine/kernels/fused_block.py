@@ -136,7 +136,11 @@ def _gated_sum_ln_quant_kernel(a, m, ga, gm, x, y, shift, scale, h8, sh, K, eps,
 def gated_sum_ln_quant(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: torch.Tensor, x: torch.Tensor,
                        shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6):
     """y = x + gate_a * a + gate_m * m (N, K), and what ln_modulate_quant(y, shift, scale) gives, in one pass:
-    the residual of one block and the next block's FP8 input. Returns y, its FP8 (N, K) and scales (N, 1)."""
+    the residual of one block and the next block's FP8 input. Returns y, its FP8 (N, K) and scales (N, 1).
+
+    One program a row, its row held in registers. At the 57b shard's shape on one H200 (757 x 7680) that took
+    18.6 us a call with the clock up; persistent programs walking rows with the next row's loads pipelined
+    (132 or 264 programs, 4-16 warps, 2-3 stages) took 28-37 us, and programs of 2 or 4 rows 22-26 us."""
     N, K = a.shape
     y = torch.empty_like(x)
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
