@@ -488,11 +488,16 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                 time_flipped(serving(), f"step_ms_{'without' if on else 'with'}_{name}")
                 for o in objects:
                     setattr(o, name, on)
-            # MLP-in's FP8 product on the other kernel (cuBLAS, or Triton with SwiGLU in its epilogue); then all four on Triton
+            # MLP-in's FP8 product on the other kernel (cuBLAS, or Triton with SwiGLU in its epilogue); q/k/v and MLP-out
+            # on the other kernel where they share one; then all four on Triton
             kernels = {n: getattr(model.blocks[0], n).gemm_kernel for n in BLOCK_LINEARS}
             out["gemm_kernels"] = kernels
-            other = "cublas" if kernels["mlp_in"] == "triton" else "triton"
-            for label, names, kernel in ((f"mlp_in_gemm_{other}", ("mlp_in",), other), ("triton_gemms", BLOCK_LINEARS, "triton")):
+            out["triton_block_n"] = {n: getattr(model.blocks[0], n).block_n for n in BLOCK_LINEARS if n != "mlp_in"}
+            swap = lambda kernel: "cublas" if kernel == "triton" else "triton"
+            flips = [(f"mlp_in_gemm_{swap(kernels['mlp_in'])}", ("mlp_in",), swap(kernels["mlp_in"]))]
+            if kernels["qkv"] == kernels["mlp_out"]:
+                flips.append((f"qkv_mlp_out_gemms_{swap(kernels['qkv'])}", ("qkv", "mlp_out"), swap(kernels["qkv"])))
+            for label, names, kernel in (*flips, ("triton_gemms", BLOCK_LINEARS, "triton")):
                 chosen = [getattr(b, n) for b in model.blocks for n in names]
                 before = [o.gemm_kernel for o in chosen]
                 for o in chosen:
@@ -1023,6 +1028,14 @@ def attention_options_arg(text: str) -> dict:
     return options
 
 
+def gemm_kernels_args(mlp_in: str, qkv_mlp_out: str) -> dict[str, str] | None:
+    """--mlp-in-gemm and --qkv-mlp-out-gemm as bench_step's `gemm_kernels` (None: the engine's defaults)."""
+    chosen = {} if mlp_in == "auto" else {"mlp_in": mlp_in}
+    if qkv_mlp_out != "auto":
+        chosen.update(qkv=qkv_mlp_out, mlp_out=qkv_mlp_out)
+    return chosen or None
+
+
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse type: a whole number >= low."""
 
@@ -1062,6 +1075,9 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--mlp-in-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="MLP-in's FP8 product: cuBLAS, or the Triton kernel with SwiGLU in its epilogue (auto: Triton on "
                          "Hopper; the other is timed too)")
+    st.add_argument("--qkv-mlp-out-gemm", choices=("auto", "cublas", "triton"), default="auto",
+                    help="q/k/v's and MLP-out's FP8 products: cuBLAS, or the Triton kernel (auto: Triton on Hopper where "
+                         "both outputs tile in 256 columns and MLP-in is on Triton; the other is timed too)")
     st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max, exp2 (also e4m3_bits), row_sum (fma|tensor), tma_out; ws options change the served ones (fp8_attention_ws.SERVED_OPTIONS) only where given")
     # each subcommand takes the flags it uses (the all-reduce benchmark is of the 57b shape only)
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (pl, "demo")):
@@ -1077,7 +1093,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench == "step" and args.world > 1:  # the group times the served configuration, each rank its own shard
         ignored = [flag for flag, value, default in (("--tp-shard", args.tp_shard, 1), ("--attention-options", args.attention_options, {}),
                                                      ("--branch-streams", args.branch_streams, "on"), ("--fast-accum", args.fast_accum, "on"),
-                                                     ("--mlp-in-gemm", args.mlp_in_gemm, "auto")) if value != default]
+                                                     ("--mlp-in-gemm", args.mlp_in_gemm, "auto"),
+                                                     ("--qkv-mlp-out-gemm", args.qkv_mlp_out_gemm, "auto")) if value != default]
         if ignored:
             st.error(f"--world {args.world} times the served configuration on {args.world} ranks; it does not take {', '.join(ignored)}")
     try:
@@ -1104,7 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.bench == "step":
             result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, args.attention_options,
                                 branch_streams=args.branch_streams == "on", fast_accum=args.fast_accum == "on",
-                                gemm_kernels=None if args.mlp_in_gemm == "auto" else {"mlp_in": args.mlp_in_gemm})
+                                gemm_kernels=gemm_kernels_args(args.mlp_in_gemm, args.qkv_mlp_out_gemm))
         else:
             result = bench_attention(args.spec, args.tp_shard, device, args.repeats)
     except ValueError as e:

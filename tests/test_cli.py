@@ -48,6 +48,8 @@ def test_bench_cache_prints_one_json_object():
     (["pipeline", "--tp-shard", "2"], "unrecognized arguments: --tp-shard 2"),
     (["step", "--repeats", "5"], "unrecognized arguments: --repeats 5"),
     (["step", "--world", "2", "--fast-accum", "off", "--tp-shard", "3"], "it does not take --tp-shard, --fast-accum"),
+    (["step", "--world", "2", "--qkv-mlp-out-gemm", "cublas"], "it does not take --qkv-mlp-out-gemm"),
+    (["step", "--qkv-mlp-out-gemm", "cuda"], "argument --qkv-mlp-out-gemm: invalid choice: 'cuda'"),
     (["step", "--attention-options", '{"kernel": "triton", "blockm": 64}'], "unknown option(s) blockm for the triton attention kernel"),
     (["step", "--attention-options", '{"kernel": "ws", "splits": 2}'], "unknown option(s) splits for the ws attention kernel"),
 ])
@@ -58,6 +60,15 @@ def test_bench_flags_are_checked_as_the_command_line_is_read(argv, message, caps
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--device", "cpu"])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_gemm_kernel_flags_become_the_step_benchmark_s_kernel_choice():
+    from engine.bench import gemm_kernels_args
+
+    assert gemm_kernels_args("auto", "auto") is None  # the engine's defaults
+    assert gemm_kernels_args("cublas", "auto") == {"mlp_in": "cublas"}
+    assert gemm_kernels_args("auto", "cublas") == {"qkv": "cublas", "mlp_out": "cublas"}
+    assert gemm_kernels_args("triton", "triton") == {"mlp_in": "triton", "qkv": "triton", "mlp_out": "triton"}
 
 
 def test_the_triton_attention_launcher_refuses_tiles_it_cannot_run():

@@ -99,25 +99,42 @@ def test_fp8_linear_with_interleaved_rows_keeps_its_outputs():
     assert torch.equal(m_a.float(), m_b.float()) and torch.equal(s_a, s_b)
 
 
+def widths(mlp_in, qkv=7680, mlp_out=7680, attn_out=7680):
+    return {"qkv": qkv, "attn_out": attn_out, "mlp_in": mlp_in, "mlp_out": mlp_out}
+
+
 def test_default_kernels_take_triton_only_where_the_swiglu_form_tiles(monkeypatch):
-    assert default_gemm_kernels(torch.device("cpu"), 2048) == {}
-    assert default_gemm_kernels(None, 2048) == {}
+    assert default_gemm_kernels(torch.device("cpu"), widths(2048)) == {}
+    assert default_gemm_kernels(None, widths(2048)) == {}
     if DEVICE.type == "cuda":
-        assert default_gemm_kernels(DEVICE, 2 * 96) == {}  # gate/up halves of 96 columns: no 128-wide tiles
+        assert default_gemm_kernels(DEVICE, widths(2 * 96)) == {}  # gate/up halves of 96 columns: no 128-wide tiles
+        # q/k/v and MLP-out go with MLP-in, and only where both of their outputs tile in 256 columns
+        assert default_gemm_kernels(DEVICE, widths(2048)) == {"mlp_in": "triton", "qkv": "triton", "mlp_out": "triton"}
+        assert default_gemm_kernels(DEVICE, widths(2048, qkv=5760)) == {"mlp_in": "triton"}
+        assert default_gemm_kernels(DEVICE, widths(2048, mlp_out=384)) == {"mlp_in": "triton"}
     monkeypatch.setenv("TALKLOOP_FP8_GEMM", "cublas")  # the way back to cuBLAS everywhere
-    assert default_gemm_kernels(DEVICE, 2048) == {}
+    assert default_gemm_kernels(DEVICE, widths(2048)) == {}
     monkeypatch.setenv("TALKLOOP_FP8_GEMM", "triton-please")
     with pytest.raises(ValueError, match="TALKLOOP_FP8_GEMM must be auto or cublas"):
-        default_gemm_kernels(DEVICE, 2048)
+        default_gemm_kernels(DEVICE, widths(2048))
+
+
+def test_plain_tiles_are_256_wide_where_the_output_tiles_in_them():
+    from engine.kernels.fp8_linear import plain_block_n
+
+    assert plain_block_n(7680) == 256 and plain_block_n(5760) == 128 and plain_block_n(384) == 128
+    assert FP8Linear(torch.nn.Linear(64, 512, bias=False)).block_n == 256
+    assert FP8Linear(torch.nn.Linear(64, 384, bias=False)).block_n == 128
 
 
 @pytest.mark.gpu
-def test_gpu_plain_form_against_reference_and_cublas():
+@pytest.mark.parametrize("tiles", [{}, dict(block_n=256, stages=3)])  # the launcher's defaults; as served where outputs tile in 256
+def test_gpu_plain_form_against_reference_and_cublas(tiles):
     x8, sx, w8, sw = operands(757, 1024, 2048)
     exact = fp8_gemm_reference(x8, sx, w8, sw)
-    promoted = FP8GEMM(w8, sw, fast_accum=False)(x8, sx)
+    promoted = FP8GEMM(w8, sw, fast_accum=False, **tiles)(x8, sx)
     assert rel(promoted, exact) <= 1e-3
-    fast = FP8GEMM(w8, sw)(x8, sx)
+    fast = FP8GEMM(w8, sw, **tiles)(x8, sx)
     cublas = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw[None], out_dtype=torch.bfloat16, use_fast_accum=True)
     assert rel(fast, cublas) <= 1e-3  # the same fast accumulation
     assert rel(fast, exact) <= 1.5 * rel(cublas, exact) + 1e-4, (rel(fast, exact), rel(cublas, exact))
@@ -158,11 +175,12 @@ def desc(rows, cols, block, dtype=torch.float8_e4m3fn):
     return mangle_type(TensorDescriptor.from_tensor(torch.zeros(rows, cols, dtype=dtype), list(block)))
 const = lambda *names: {n: "constexpr" for n in names}
 builds = []
-for swiglu, stages in ((False, 4), (True, 3)):  # the launcher's defaults, at the 57b shard's tiles
-    sig = {"x_desc": desc(256, 256, (128, 128)), "w_desc": desc(512, 256, (256 if swiglu else 128, 128)),
-           "y_desc": desc(256, 256, (128, 128), torch.bfloat16), "sx": "*fp32", "sw": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+# the launcher's defaults and FP8Linear's plain form where outputs tile in 256, at the 57b shard's tiles
+for swiglu, block_n, stages in ((False, 128, 4), (False, 256, 3), (True, 128, 3)):
+    sig = {"x_desc": desc(256, 256, (128, 128)), "w_desc": desc(512, 256, (2 * block_n if swiglu else block_n, 128)),
+           "y_desc": desc(256, 512, (128, block_n), torch.bfloat16), "sx": "*fp32", "sw": "*fp32", "M": "i32", "N": "i32", "K": "i32",
            **const("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PROGRAMS", "SWIGLU", "PROMOTE_EVERY", "EXACT")}
-    values = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, PROGRAMS=132, SWIGLU=swiglu, PROMOTE_EVERY=None, EXACT=False)
+    values = dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, PROGRAMS=132, SWIGLU=swiglu, PROMOTE_EVERY=None, EXACT=False)
     builds.append(triton.compile(ASTSource(_fp8_gemm_kernel, sig, constexprs=values), target=hopper,
                                  options={"num_warps": 8, "num_stages": stages, **FP_FUSION}))
 for built in builds:

@@ -631,6 +631,11 @@ def step_energy(step: dict) -> list[str]:
         out[-1] += f" The eager baseline: {b['step_joules']:.1f} J a step at a mean {b['step_watts']:.0f} W."
     if parts := s.get("part_energy"):
         out += ["", part_energy(parts, s["step_joules"], limit)]
+        if s.get("other_ms", 0) < 0 and "triton" in {(s.get("gemm_kernels") or {}).get(n) for n in ("qkv", "mlp_out")}:
+            out[-1] += (" The parts timed alone add up to more than the step: alone, the Triton kernel's products of 7,680 "
+                        "columns in 128x256 tiles (180 tiles for 132 SMs) end each call in a round of tiles that leaves most "
+                        "SMs idle, which in the step the other branch's kernels fill; on cuBLAS those products cost less "
+                        "alone and the step more (the flipped settings below).")
     return out + [""]
 
 
@@ -657,6 +662,14 @@ def repeat_runs() -> list[str]:
             f"{step_code} ({', '.join(dates)}; results in `docs/results/`): " + "; ".join(parts) + ".", ""]
 
 
+def kernels_in_words(serving: dict) -> str:
+    """A step run's FP8 GEMM kernel per block linear, e.g. 'q/k/v, MLP-in and MLP-out on Triton, attn_out on cuBLAS'."""
+    kernels = serving.get("gemm_kernels") or {}
+    names = {"qkv": "q/k/v", "attn_out": "the out-projection", "mlp_in": "MLP-in", "mlp_out": "MLP-out"}
+    by = {k: [names[n] for n in names if kernels.get(n, "cublas") == k] for k in ("triton", "cublas")}
+    return "; ".join(f"{', '.join(v)} on {'Triton' if k == 'triton' else 'cuBLAS'}" for k, v in by.items() if v)
+
+
 def earlier_step_run(step: dict, name: str) -> list[str]:
     """An earlier run of the same step benchmark (result `name`), in another session on a machine of the same kind,
     beside this one: how much the part that did not change between the two (the GEMMs) moved with the machine and its clock."""
@@ -669,10 +682,13 @@ def earlier_step_run(step: dict, name: str) -> list[str]:
             f"with {served}), in another session on a machine of the same kind: {ms(e['step_ms'])} ms per step, its GEMMs alone "
             f"{ms(e['gemm_ms'])} ms and its attention {ms(e['attention_ms'])} ms, the SM clock's median {e['sm_clock_mhz']:.0f} "
             f"MHz; here {ms(s['step_ms'])}, {ms(s['gemm_ms'])} and {ms(s['attention_ms'])} ms at {s['sm_clock_mhz']:.0f} MHz. "
-            f"The GEMMs, the same kernels in both, moved by {s['gemm_ms'] - e['gemm_ms']:+.1f} ms between the two runs, and "
-            "by more than that with the machine: the earlier GEMM part also timed a quantisation pass before each "
-            "out-projection, which the benchmark no longer does (the step feeds it the attention's e4m3 output). That is "
-            "more than the change between the two attention kernels can move the step.", ""]
+            + (f"The GEMMs, the same kernels in both, moved by {s['gemm_ms'] - e['gemm_ms']:+.1f} ms between the two runs, and "
+               "by more than that with the machine: the earlier GEMM part also timed a quantisation pass before each "
+               "out-projection, which the benchmark no longer does (the step feeds it the attention's e4m3 output). That is "
+               "more than the change between the two attention kernels can move the step."
+               if e.get("gemm_kernels") == s.get("gemm_kernels") else
+               f"Their GEMM parts ran different kernels (there: {kernels_in_words(e)}; here: {kernels_in_words(s)}), so "
+               "the two are not comparable part for part."), ""]
 
 
 PART_NAMES = {"gemm": "GEMMs", "attention": "attention", "cache_upkeep": "cache upkeep"}
@@ -708,6 +724,27 @@ WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on
 
 # calls a 57b tp3 step makes (60 blocks x 4 passes; the residual kernel skips the last block of each pass)
 CALLS_PER_STEP = {"qkv": 240, "attn_out": 240, "mlp_out": 240, "mlp_in_swiglu": 240, "gated_sum_ln_quant": 236, "quant_rows": 240}
+
+
+LINEAR_NAMES = {"qkv": "q/k/v", "attn_out": "the attention's out-projection", "mlp_out": "MLP-out"}
+
+
+def gemm_kernels_text(serving: dict) -> str:
+    """Which FP8 GEMM kernel serves each block linear in a step run (its `gemm_kernels` and `triton_block_n`), as a
+    clause of the serving path's description; '' where MLP-in is not on the Triton kernel."""
+    kernels, widths = serving.get("gemm_kernels") or {}, serving.get("triton_block_n") or {}
+    if kernels.get("mlp_in") != "triton":
+        return ""
+    plain = [n for n in LINEAR_NAMES if kernels.get(n) == "triton"]
+    rest = [n for n in LINEAR_NAMES if kernels.get(n) != "triton"]
+    text = ", MLP-in on the Triton FP8 GEMM with SwiGLU in its epilogue"
+    if plain:
+        tiles = sorted({widths.get(n, 128) for n in plain})
+        text += (f", {' and '.join(LINEAR_NAMES[n] for n in plain)} on its plain form ("
+                 + " and ".join(f"128x{w}" for w in tiles) + " tiles)")
+    if rest:
+        text += f", {' and '.join(LINEAR_NAMES[n] for n in rest)} on cuBLAS" if plain else " and the other linears on cuBLAS"
+    return text
 
 
 def cublas_kernel(measured: dict) -> str:
@@ -854,8 +891,7 @@ def main() -> None:
                    if s.get("attention_kernel") == "ws" else "Triton FP8 attention")
                 + ", FP8 GEMMs (per-token x per-channel scales) with fused "
                 "block kernels" + (" and fast accumulation" if step.get("fast_accum") else "")
-                + (", MLP-in on the Triton FP8 GEMM with SwiGLU in its epilogue and the other linears on cuBLAS"
-                   if mlp_in_kernel == "triton" else "")
+                + gemm_kernels_text(s)
                 + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
                 + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
                 "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
@@ -900,6 +936,11 @@ def main() -> None:
             out += [f"With {described[other]} (`--mlp-in-gemm {other}`; above: {described[mlp_in_kernel]}; same weights, "
                     f"same run): {ms(s[f'step_ms_with_mlp_in_gemm_{other}'])} ms per step, "
                     f"{against(s, f'step_ms_with_mlp_in_gemm_{other}')}.", ""]
+        for other, what in (("cublas", "q/k/v and MLP-out on cuBLAS"), ("triton", "q/k/v and MLP-out on the Triton FP8 GEMM")):
+            key = f"step_ms_with_qkv_mlp_out_gemms_{other}"
+            if key in s:
+                out += [f"With {what} (`--qkv-mlp-out-gemm {other}`; same weights, same run): {ms(s[key])} ms per step, "
+                        f"{against(s, key)}.", ""]
         if "step_ms_with_triton_gemms" in s:
             out += [f"With all four block linears on the Triton FP8 GEMM (same run): {ms(s['step_ms_with_triton_gemms'])} ms "
                     f"per step, {against(s, 'step_ms_with_triton_gemms')}.", ""]
@@ -940,10 +981,17 @@ def main() -> None:
         if served.get("exp2") == "e4m3_bits":  # the profiles below come from runs before the kernel served its codes
             from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS
 
+            profiled_gemms = "q/k/v, the out-projection and MLP-out on cuBLAS and MLP-in on Triton"
+            same_gemms = kernels_in_words(s) == kernels_in_words({"gemm_kernels": {"mlp_in": "triton"}})
             out += ["The profile, the timeline and the clock log below come from runs of an earlier commit, whose step served "
                     f"the warp-specialised attention with {ws_options(NEAREST_P_OPTIONS)} (the step above: "
-                    f"{ws_options(served)}); the GEMMs and the other kernels are as above.", ""]
-        out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"], s.get("gemm_ms"))
+                    f"{ws_options(served)})"
+                    + ("; the GEMMs and the other kernels are as above." if same_gemms else
+                       f" and its FP8 GEMMs with {profiled_gemms} (the step above: {kernels_in_words(s)}); the other "
+                       "kernels are as above."), ""]
+        else:
+            same_gemms = True
+        out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"], s.get("gemm_ms") if same_gemms else None)
         out += step_timeline(load("step_timeline_57b_tp3_h200.json"), step)
         power = power_summary("step_57b_tp3_h200_smi.csv")
         if power:

@@ -10,12 +10,15 @@ run under this tile's epilogue. In the SwiGLU form each program multiplies the g
 tile of the same columns from one x tile and writes only their product: the (M, 2N) pre-activation
 that cuBLAS would write and the SwiGLU pass read back never exists (half the bytes each way).
 
-The engine serves MLP-in with the SwiGLU form on Hopper and the other linears with cuBLAS
-(`torch._scaled_mm`): `engine.bench step` times the step with MLP-in on cuBLAS instead, and with all
-four block linears on this kernel (docs/benchmarks.md). At the 57b shard's N = 7680 products the tiles fall
-short of whole rounds of SMs (180 of 128x256: 1.36 rounds of 132), which costs energy a call: on one H200 the
-128x256 form took 0.55 pJ per FLOP with N = 16896 (396 tiles: three whole rounds) against 0.68-0.69 at N = 7680 (cuBLAS: 0.55
-and 0.61).
+On Hopper the engine serves MLP-in with the SwiGLU form, and q/k/v and MLP-out with the plain form in
+128x256 tiles where both outputs tile in 256 columns (FP8Linear; the out-projection stays on cuBLAS,
+`torch._scaled_mm`): `engine.bench step` times the step with MLP-in on cuBLAS instead, with q/k/v and MLP-out
+on cuBLAS, and with all four block linears on this kernel (docs/benchmarks.md). At the 57b shard's N = 7680
+products the tiles fall short of whole rounds of SMs (180 of 128x256: 1.36 rounds of 132), which costs energy
+a call alone: on one H200 the 128x256 form took 0.55 pJ per FLOP with N = 16896 (396 tiles: three whole rounds)
+against 0.68-0.69 at N = 7680 (cuBLAS: 0.55 and 0.61). In the step the other branch's kernels fill the SMs
+that last round leaves, and there q/k/v and MLP-out on this kernel made the step 0.6-0.9 ms faster than on
+cuBLAS (five runs on H200s, in turns), where either one alone on it made it slower (by 1.3 and 2.9 ms, one run).
 A stream-K form (whole rounds of tiles, then the tiles left over cut into one equal run of k-blocks a program,
 partial sums through global memory, the last program to arrive at a tile summing them) was slower still there:
 q/k/v 90.6 us a call with the clock up against 66.2 us on cuBLAS in the same run (82.6 us in two whole rounds in

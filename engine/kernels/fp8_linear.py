@@ -58,7 +58,7 @@ class FP8Linear(nn.Module):
     """A bias-free nn.Linear with e4m3 weights and per-output-channel scales."""
 
     def __init__(self, linear: nn.Linear, use_scaled_mm: bool | None = None, fast_accum: bool = False,
-                 gemm_kernel: str = "cublas", gate_up_block: int = 0):
+                 gemm_kernel: str = "cublas", gate_up_block: int = 0, block_n: int | None = None):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("FP8Linear takes bias-free linears")
@@ -85,6 +85,8 @@ class FP8Linear(nn.Module):
         if gemm_kernel not in FP8_GEMM_KERNELS:
             raise ValueError(f"gemm_kernel must be one of {', '.join(FP8_GEMM_KERNELS)}, got {gemm_kernel!r}")
         self.gemm_kernel = gemm_kernel
+        # The Triton kernel's output tile width in its plain form (`plain_block_n` of the output width unless given)
+        self.block_n = plain_block_n(self.out_features) if block_n is None else block_n
         self._launchers: dict[tuple[bool, bool], object] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +103,9 @@ class FP8Linear(nn.Module):
         if key not in self._launchers:
             from engine.kernels.fp8_gemm import FP8GEMM
 
+            block_n = self.gate_up_block if swiglu else self.block_n
             self._launchers[key] = FP8GEMM(self.weight8, self.weight_scale, swiglu=swiglu, fast_accum=self.fast_accum,
-                                           block_n=self.gate_up_block if swiglu else 128)
+                                           block_n=block_n, stages=3 if swiglu or block_n > 128 else 4)
         return self._launchers[key]
 
     def _stored_order_product(self, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
@@ -161,6 +164,13 @@ def prefer_static_gemm_schedule() -> bool:
 
 
 SWIGLU_BLOCK = 128  # MLP-in's gate/up interleave: the Triton SwiGLU form's output tile width
+PLAIN_BLOCK = 256  # the Triton plain form's output tile width where the output tiles in it (128 elsewhere)
+TRITON_PLAIN_LINEARS = ("qkv", "mlp_out")  # on the Triton plain form by default where both outputs tile in PLAIN_BLOCK
+
+
+def plain_block_n(out_features: int) -> int:
+    """The Triton plain form's output tile width for an output of `out_features` columns."""
+    return PLAIN_BLOCK if out_features % PLAIN_BLOCK == 0 else 128
 
 
 def swiglu_block(out_features: int) -> int:
@@ -174,25 +184,31 @@ def triton_fp8_gemm_runs(device_index: int) -> bool:
     """A Hopper GPU (sm_90) and a Triton with host-side TMA descriptors; probed once per device."""
     from engine.kernels import hopper_feature
 
-    return hopper_feature(device_index, "Triton FP8 GEMM for MLP-in (SwiGLU in its epilogue)", "triton.tools.tensor_descriptor",
+    return hopper_feature(device_index, "Triton FP8 GEMM (MLP-in with SwiGLU in its epilogue; q/k/v and MLP-out where they tile)", "triton.tools.tensor_descriptor",
                           "cuBLAS serves every FP8 linear")
 
 
 FP8_GEMM_ENV = "TALKLOOP_FP8_GEMM"  # "auto" (the default) or "cublas": every FP8 linear on cuBLAS, in every process
 
 
-def default_gemm_kernels(device: torch.device | None, mlp_in_features: int) -> dict[str, str]:
-    """Per block linear, the FP8 product's kernel: the Triton SwiGLU form for MLP-in on Hopper where its gate and
-    up halves tile (it measured faster than cuBLAS plus the SwiGLU pass, docs/benchmarks.md), cuBLAS for the
-    rest and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
+def default_gemm_kernels(device: torch.device | None, widths: dict[str, int]) -> dict[str, str]:
+    """Per block linear, the FP8 product's kernel, from the linears' output widths (`widths`: name -> out_features):
+    on Hopper the Triton SwiGLU form for MLP-in where its gate and up halves tile (it measured faster than cuBLAS
+    plus the SwiGLU pass), and with it the plain form in 128x256 tiles for q/k/v and MLP-out where both outputs
+    tile in 256 columns (the 57b shard's step at tensor-parallel degree 3 measured 0.6-0.9 ms faster so, in five
+    runs on H200s timed in turns, where either one alone on it was slower; docs/benchmarks.md); cuBLAS for the rest
+    and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
     choice = os.environ.get(FP8_GEMM_ENV, "auto")
     if choice not in ("auto", "cublas"):
         raise ValueError(f"{FP8_GEMM_ENV} must be auto or cublas, got {choice!r}")
-    if choice != "auto" or not swiglu_block(mlp_in_features) or device is None or device.type != "cuda":
+    if choice != "auto" or not swiglu_block(widths["mlp_in"]) or device is None or device.type != "cuda":
         return {}
-    if triton_fp8_gemm_runs(device.index or 0):  # probed (and logged) only where it would be used
-        return {"mlp_in": "triton"}
-    return {}
+    if not triton_fp8_gemm_runs(device.index or 0):  # probed (and logged) only where it would be used
+        return {}
+    chosen = {"mlp_in": "triton"}
+    if all(widths[name] % PLAIN_BLOCK == 0 for name in TRITON_PLAIN_LINEARS):
+        chosen.update(dict.fromkeys(TRITON_PLAIN_LINEARS, "triton"))
+    return chosen
 
 
 def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False,
@@ -202,7 +218,8 @@ def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool 
     `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only); `gemm_kernels`: the FP8
     product's kernel per linear name (FP8_GEMM_KERNELS), over `default_gemm_kernels` (cuBLAS for a linear named in neither)."""
     on_gpu = [p.device for p in model.parameters() if p.is_cuda]
-    defaults = default_gemm_kernels(on_gpu[0] if on_gpu else None, model.blocks[0].mlp_in.out_features)
+    defaults = default_gemm_kernels(on_gpu[0] if on_gpu else None,
+                                    {name: getattr(model.blocks[0], name).out_features for name in BLOCK_LINEARS})
     gemm_kernels = {**defaults, **(gemm_kernels or {})}
     if unknown := set(gemm_kernels) - set(BLOCK_LINEARS):
         raise ValueError(f"gemm_kernels names {sorted(unknown)}; the block linears are {', '.join(BLOCK_LINEARS)}")
