@@ -663,10 +663,10 @@ def repeat_runs() -> list[str]:
 
 
 def kernels_in_words(serving: dict) -> str:
-    """A step run's FP8 GEMM kernel per block linear, e.g. 'q/k/v, MLP-in and MLP-out on Triton, attn_out on cuBLAS'."""
+    """A step run's FP8 GEMM kernel per block linear, e.g. 'q/k/v, MLP-in, MLP-out on Triton; the attention's
+    out-projection on cuBLAS'."""
     kernels = serving.get("gemm_kernels") or {}
-    names = {"qkv": "q/k/v", "attn_out": "the out-projection", "mlp_in": "MLP-in", "mlp_out": "MLP-out"}
-    by = {k: [names[n] for n in names if kernels.get(n, "cublas") == k] for k in ("triton", "cublas")}
+    by = {k: [LINEAR_NAMES[n] for n in LINEAR_NAMES if kernels.get(n, "cublas") == k] for k in ("triton", "cublas")}
     return "; ".join(f"{', '.join(v)} on {'Triton' if k == 'triton' else 'cuBLAS'}" for k, v in by.items() if v)
 
 
@@ -691,6 +691,8 @@ def earlier_step_run(step: dict, name: str) -> list[str]:
                "the two are not comparable part for part."), ""]
 
 
+LINEAR_NAMES = {"qkv": "q/k/v", "attn_out": "the attention's out-projection", "mlp_in": "MLP-in", "mlp_out": "MLP-out"}
+PLAIN_LINEARS = ("qkv", "attn_out", "mlp_out")  # the block linears with no SwiGLU form
 PART_NAMES = {"gemm": "GEMMs", "attention": "attention", "cache_upkeep": "cache upkeep"}
 
 
@@ -726,7 +728,6 @@ WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on
 CALLS_PER_STEP = {"qkv": 240, "attn_out": 240, "mlp_out": 240, "mlp_in_swiglu": 240, "gated_sum_ln_quant": 236, "quant_rows": 240}
 
 
-LINEAR_NAMES = {"qkv": "q/k/v", "attn_out": "the attention's out-projection", "mlp_out": "MLP-out"}
 
 
 def gemm_kernels_text(serving: dict) -> str:
@@ -735,8 +736,8 @@ def gemm_kernels_text(serving: dict) -> str:
     kernels, widths = serving.get("gemm_kernels") or {}, serving.get("triton_block_n") or {}
     if kernels.get("mlp_in") != "triton":
         return ""
-    plain = [n for n in LINEAR_NAMES if kernels.get(n) == "triton"]
-    rest = [n for n in LINEAR_NAMES if kernels.get(n) != "triton"]
+    plain = [n for n in PLAIN_LINEARS if kernels.get(n) == "triton"]
+    rest = [n for n in PLAIN_LINEARS if kernels.get(n) != "triton"]
     text = ", MLP-in on the Triton FP8 GEMM with SwiGLU in its epilogue"
     if plain:
         tiles = sorted({widths.get(n, 128) for n in plain})
@@ -981,13 +982,13 @@ def main() -> None:
         if served.get("exp2") == "e4m3_bits":  # the profiles below come from runs before the kernel served its codes
             from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS
 
-            profiled_gemms = "q/k/v, the out-projection and MLP-out on cuBLAS and MLP-in on Triton"
-            same_gemms = kernels_in_words(s) == kernels_in_words({"gemm_kernels": {"mlp_in": "triton"}})
+            profiled = {"gemm_kernels": {"mlp_in": "triton"}}  # the kernels the profiles below ran
+            same_gemms = kernels_in_words(s) == kernels_in_words(profiled)
             out += ["The profile, the timeline and the clock log below come from runs of an earlier commit, whose step served "
                     f"the warp-specialised attention with {ws_options(NEAREST_P_OPTIONS)} (the step above: "
                     f"{ws_options(served)})"
                     + ("; the GEMMs and the other kernels are as above." if same_gemms else
-                       f" and its FP8 GEMMs with {profiled_gemms} (the step above: {kernels_in_words(s)}); the other "
+                       f" and its FP8 GEMMs with {kernels_in_words(profiled)} (the step above: {kernels_in_words(s)}); the other "
                        "kernels are as above."), ""]
         else:
             same_gemms = True
