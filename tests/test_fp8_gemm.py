@@ -119,6 +119,16 @@ def test_default_kernels_take_triton_only_where_the_swiglu_form_tiles(monkeypatc
         default_gemm_kernels(DEVICE, widths(2048))
 
 
+def test_the_hopper_rule_at_the_57b_shard_s_degrees():
+    from engine.kernels.fp8_linear import hopper_gemm_kernels
+
+    three = {"mlp_in": "triton", "qkv": "triton", "mlp_out": "triton"}
+    assert hopper_gemm_kernels(widths(2 * 24576 // 3, qkv=3 * 7680 // 3)) == three  # degree 3
+    assert hopper_gemm_kernels(widths(2 * 24576, qkv=3 * 7680)) == three  # degree 1
+    assert hopper_gemm_kernels(widths(2 * 24576 // 4, qkv=3 * 7680 // 4)) == {"mlp_in": "triton"}  # degree 4: q/k/v 5760 wide
+    assert hopper_gemm_kernels(widths(2 * 96)) == {}
+
+
 def test_plain_tiles_are_256_wide_where_the_output_tiles_in_them():
     from engine.kernels.fp8_linear import plain_block_n
 

@@ -662,6 +662,16 @@ def repeat_runs() -> list[str]:
             f"{step_code} ({', '.join(dates)}; results in `docs/results/`): " + "; ".join(parts) + ".", ""]
 
 
+def served_gemm_kernels(spec_name: str, tp: int) -> dict[str, str]:
+    """The FP8 GEMM kernel per block linear the engine serves on Hopper for one rank at degree tp of `spec_name`."""
+    from engine.config import get_spec, shard_spec
+    from engine.kernels.fp8_linear import hopper_gemm_kernels
+
+    s = shard_spec(get_spec(spec_name), tp)
+    widths = {"qkv": 3 * s.dim, "attn_out": s.dim * tp, "mlp_in": 2 * s.mlp_hidden, "mlp_out": s.dim * tp}
+    return {"qkv": "cublas", "attn_out": "cublas", "mlp_in": "cublas", "mlp_out": "cublas", **hopper_gemm_kernels(widths)}
+
+
 def kernels_in_words(serving: dict) -> str:
     """A step run's FP8 GEMM kernel per block linear, e.g. 'q/k/v, MLP-in, MLP-out on Triton; the attention's
     out-projection on cuBLAS'."""
@@ -1002,9 +1012,9 @@ def main() -> None:
     if others:
         out += ["Other tensor-parallel degrees (same benchmark, `--tp-shard N`; the breakdown's parts are timed alone, so "
                 "with the MLP branch beside the attention, \"other\" = step - parts also absorbs the overlap):", "",
-                "| degree | serving step ms | attention kernel | FP8 fast accumulation | MLP branch on a side stream | "
+                "| degree | serving step ms | attention kernel | FP8 GEMM kernels | FP8 fast accumulation | MLP branch on a side stream | "
                 "the other branch setting, step ms | GEMMs | attention | cache upkeep | other | reset step ms | peak GB | baseline step ms |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for tp, r in others:
             s, b = r["serving"], r["baseline"]
             streams = r.get("branch_streams", False)
@@ -1012,12 +1022,18 @@ def main() -> None:
             kernel = s.get("attention_kernel", "triton")
             if kernel == "ws":  # results from before the step recorded the kernel's options served P nearest 2^x
                 kernel += f" ({ws_options(s['attention_kernel_options']) if 'attention_kernel_options' in s else 'P nearest 2^x, as served then'})"
-            out.append(f"| {tp} | {ms(s['step_ms'])} | {kernel} | "
+            out.append(f"| {tp} | {ms(s['step_ms'])} | {kernel} | {kernels_in_words(s) if 'gemm_kernels' in s else '?'} | "
                        f"{'on' if r.get('fast_accum') else 'off'} | {'on' if streams else 'off'} | "
                        f"{ms(alt)} | {ms(s['gemm_ms'])} | "
                        f"{ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | {ms(s['other_ms'])} | "
                        f"{ms(s.get('reset_step_ms', float('nan')))} | {s['peak_memory_gb']:.1f} | {ms(b['step_ms'])} |")
         out.append("")
+        now = {tp: kernels_in_words({"gemm_kernels": served_gemm_kernels(r["spec"], tp)}) for tp, r in others}
+        older = [f"at degree {tp}, {now[tp]}" for tp, r in others
+                 if "gemm_kernels" in r["serving"] and kernels_in_words(r["serving"]) != now[tp]]
+        if older:
+            out += [f"The engine's FP8 GEMM kernels changed since these rows ran, which were not run again: it now serves "
+                    f"{'; and '.join(older)} (the rows above: as each ran).", ""]
     gemm = load("gemm_probe_h200.json")
     if gemm:
         out += ["GEMMs of one rank (M = 757) through `torch._scaled_mm`: TFLOP/s per shape "

@@ -201,9 +201,17 @@ def default_gemm_kernels(device: torch.device | None, widths: dict[str, int]) ->
     choice = os.environ.get(FP8_GEMM_ENV, "auto")
     if choice not in ("auto", "cublas"):
         raise ValueError(f"{FP8_GEMM_ENV} must be auto or cublas, got {choice!r}")
-    if choice != "auto" or not swiglu_block(widths["mlp_in"]) or device is None or device.type != "cuda":
+    chosen = hopper_gemm_kernels(widths)
+    if choice != "auto" or not chosen or device is None or device.type != "cuda":
         return {}
     if not triton_fp8_gemm_runs(device.index or 0):  # probed (and logged) only where it would be used
+        return {}
+    return chosen
+
+
+def hopper_gemm_kernels(widths: dict[str, int]) -> dict[str, str]:
+    """The block linears the Triton FP8 GEMM takes on Hopper, by their output widths (`default_gemm_kernels`'s rule)."""
+    if not swiglu_block(widths["mlp_in"]):
         return {}
     chosen = {"mlp_in": "triton"}
     if all(widths[name] % PLAIN_BLOCK == 0 for name in TRITON_PLAIN_LINEARS):
