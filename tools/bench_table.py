@@ -560,7 +560,10 @@ def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = 
                f"steps one every 100 ms, back to back, need at most {0.1 * step['power_limit_w']:.0f} J each"
                + (f", of which the step's GEMMs alone take {s['part_energy']['gemm']['joules_per_call']:.1f} J and its "
                   f"attention {s['part_energy']['attention']['joules_per_call']:.1f} J, each held back to back at that limit"
-                  if "part_energy" in s else "") + " (energy paragraph below)."
+                  if "part_energy" in s else "")
+               + (" (the GEMMs more alone than in the step, whose other branch fills the SMs their last round of tiles "
+                  "leaves; energy paragraph below)." if "part_energy" in s and s.get("other_ms", 0) < 0
+                  else " (energy paragraph below).")
                + (f" Held back to back, SDPA in bf16 takes {att['energy']['sdpa_over_fp8_joules']:.2f}x the served FP8 "
                   "attention's energy per call." if att.get("energy") else ""), ""]
               if "step_joules" in s and "power_limit_w" in step else [])]
