@@ -666,13 +666,19 @@ def repeat_runs() -> list[str]:
 
 
 def served_gemm_kernels(spec_name: str, tp: int) -> dict[str, str]:
-    """The FP8 GEMM kernel per block linear the engine serves on Hopper for one rank at degree tp of `spec_name`."""
-    from engine.config import get_spec, shard_spec
-    from engine.kernels.fp8_linear import hopper_gemm_kernels
+    """The FP8 GEMM kernel per block linear the engine serves on Hopper for one rank at degree tp of `spec_name`:
+    the rule read off rank 0's block, sharded as the engine shards it (on the meta device: shapes only)."""
+    import torch
 
-    s = shard_spec(get_spec(spec_name), tp)
-    widths = {"qkv": 3 * s.dim, "attn_out": s.dim * tp, "mlp_in": 2 * s.mlp_hidden, "mlp_out": s.dim * tp}
-    return {"qkv": "cublas", "attn_out": "cublas", "mlp_in": "cublas", "mlp_out": "cublas", **hopper_gemm_kernels(widths)}
+    from engine.config import get_spec
+    from engine.kernels.fp8_linear import BLOCK_LINEARS, hopper_gemm_kernels, linear_widths
+    from engine.model import Block
+    from engine.parallel import shard_block_
+
+    with torch.device("meta"):
+        block = Block(get_spec(spec_name))
+    shard_block_(block, 0, tp)
+    return {**dict.fromkeys(BLOCK_LINEARS, "cublas"), **hopper_gemm_kernels(linear_widths(block))}
 
 
 def kernels_in_words(serving: dict) -> str:
@@ -739,8 +745,6 @@ WS_EXP2 = {"mixed": ", 2^x half on the FMA units (exp2=mixed)", "fma": ", 2^x on
 
 # calls a 57b tp3 step makes (60 blocks x 4 passes; the residual kernel skips the last block of each pass)
 CALLS_PER_STEP = {"qkv": 240, "attn_out": 240, "mlp_out": 240, "mlp_in_swiglu": 240, "gated_sum_ln_quant": 236, "quant_rows": 240}
-
-
 
 
 def gemm_kernels_text(serving: dict) -> str:

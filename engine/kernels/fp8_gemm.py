@@ -102,8 +102,9 @@ class FP8GEMM:
         self.w8, self.sw = w8, sw.reshape(-1).float().contiguous()
         self.swiglu, self.fast_accum = swiglu, fast_accum
         self.block_m, self.block_n, self.block_k, self.group_m = block_m, block_n, block_k, group_m
-        # shared memory per stage: one x tile and one (two with SwiGLU) weight tiles
-        self.stages = stages if stages is not None else (3 if swiglu else 4)
+        # shared memory per stage: one x tile and one weight tile of 2 * block_n rows (SwiGLU) or block_n; past 128
+        # weight rows, 3 stages and the output tile fill a block's shared memory
+        self.stages = stages if stages is not None else (3 if swiglu or block_n > 128 else 4)
         self.num_warps = num_warps
         self.persistent = persistent  # one program per SM walking tiles; else one program per tile
         self._w_desc = None

@@ -103,9 +103,8 @@ class FP8Linear(nn.Module):
         if key not in self._launchers:
             from engine.kernels.fp8_gemm import FP8GEMM
 
-            block_n = self.gate_up_block if swiglu else self.block_n
             self._launchers[key] = FP8GEMM(self.weight8, self.weight_scale, swiglu=swiglu, fast_accum=self.fast_accum,
-                                           block_n=block_n, stages=3 if swiglu or block_n > 128 else 4)
+                                           block_n=self.gate_up_block if swiglu else self.block_n)
         return self._launchers[key]
 
     def _stored_order_product(self, x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
@@ -209,6 +208,11 @@ def default_gemm_kernels(device: torch.device | None, widths: dict[str, int]) ->
     return chosen
 
 
+def linear_widths(block: nn.Module) -> dict[str, int]:
+    """A block's linears' output widths by name, what `default_gemm_kernels` chooses by."""
+    return {name: getattr(block, name).out_features for name in BLOCK_LINEARS}
+
+
 def hopper_gemm_kernels(widths: dict[str, int]) -> dict[str, str]:
     """The block linears the Triton FP8 GEMM takes on Hopper, by their output widths (`default_gemm_kernels`'s rule)."""
     if not swiglu_block(widths["mlp_in"]):
@@ -226,8 +230,7 @@ def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool 
     `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only); `gemm_kernels`: the FP8
     product's kernel per linear name (FP8_GEMM_KERNELS), over `default_gemm_kernels` (cuBLAS for a linear named in neither)."""
     on_gpu = [p.device for p in model.parameters() if p.is_cuda]
-    defaults = default_gemm_kernels(on_gpu[0] if on_gpu else None,
-                                    {name: getattr(model.blocks[0], name).out_features for name in BLOCK_LINEARS})
+    defaults = default_gemm_kernels(on_gpu[0] if on_gpu else None, linear_widths(model.blocks[0]))
     gemm_kernels = {**defaults, **(gemm_kernels or {})}
     if unknown := set(gemm_kernels) - set(BLOCK_LINEARS):
         raise ValueError(f"gemm_kernels names {sorted(unknown)}; the block linears are {', '.join(BLOCK_LINEARS)}")
