@@ -22,6 +22,9 @@ cuBLAS (five runs on H200s, in turns), where either one alone on it made it slow
 Nor did launching only as many programs as finish in the same rounds, each taking as many tiles (90 of 2 for those
 products, 128 of 3 for MLP-in), free SMs for the other branch to its gain: 102.4 ms a step (those two) and 99.7 (MLP-in)
 against 99.5 with one program per SM, in turns on one H200; nor did a program a tile (103.8 against 102.6 ms, another run).
+Nor did the tiles past the whole rounds, cut in half-width tiles (q/k/v and MLP-out: 132 tiles of 128x256, then 96 of
+128x128 in one round of half the time): alone faster (q/k/v 75.5 against 82.5 us a call with the clock up, cuBLAS 66.5),
+in the step slower (107.2 against 103.1 ms, in turns on one H200): the wider last round holds SMs the other branch took.
 A stream-K form (whole rounds of tiles, then the tiles left over cut into one equal run of k-blocks a program,
 partial sums through global memory, the last program to arrive at a tile summing them) was slower still there:
 q/k/v 90.6 us a call with the clock up against 66.2 us on cuBLAS in the same run (82.6 us in two whole rounds in
