@@ -140,7 +140,9 @@ def gated_sum_ln_quant(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, g
 
     One program a row, its row held in registers. At the 57b shard's shape on one H200 (757 x 7680) that took
     18.6 us a call with the clock up; persistent programs walking rows with the next row's loads pipelined
-    (132 or 264 programs, 4-16 warps, 2-3 stages) took 28-37 us, and programs of 2 or 4 rows 22-26 us."""
+    (132 or 264 programs, 4-16 warps, 2-3 stages) took 28-37 us, and programs of 2 or 4 rows 22-26 us; a program
+    a row in chunks of 512-2048 columns, four passes that read the stored residual back, took
+    22.6-34.6 us against 18.9 (four sets of inputs in turns, another H200), and the step 103.15 against 102.06 ms."""
     N, K = a.shape
     y = torch.empty_like(x)
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
