@@ -1,12 +1,14 @@
 """tools/bench_table.py's FlashAttention-3 paragraphs, from a result shaped as tools/fa3_attention_probe.py writes it,
 the step's energy by part, from a result shaped as `engine.bench step` writes it, and each block kernel's energy
-at the power limit, from a result shaped as tools/gemm_energy_probe.py writes it."""
+at the power limit, from a result shaped as tools/gemm_energy_probe.py writes it, and the target commands' repeats."""
 
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from bench_table import against, fa3_attention, fast_path_targets, part_energy  # noqa: E402
+import bench_table  # noqa: E402
+from bench_table import against, fa3_attention, fast_path_targets, part_energy, repeat_runs  # noqa: E402
 
 
 def probe_result(fa3_us: float) -> dict:
@@ -149,3 +151,18 @@ def test_cublaslt_configurations_list_the_heuristic_then_the_least_energy_and_th
     turns = "\n".join(cublaslt_configurations(probe, step))
     assert "103.7 ms a step against 102.5 ms on the heuristic's kernels" in turns and "103.8 ms against 103.6" in turns
     assert cublaslt_configurations(None, step) == []
+
+
+def test_each_step_repeat_names_its_date_and_engine_code(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_table, "RESULTS", tmp_path)
+    assert repeat_runs() == []
+    step = lambda ms, joules, date: {"date": date, "serving": {"step_ms": ms, "step_joules": joules}}
+    (tmp_path / "step_57b_tp3_h200_repeat_1.json").write_text(json.dumps(step(103.31, 74.4, "2026-12-01")))
+    (tmp_path / "step_57b_tp3_h200_repeat_2.json").write_text(json.dumps(step(102.12, 72.5, "2026-12-02")))
+    (tmp_path / "attention_57b_tp3_h200_repeat_1.json").write_text(json.dumps({"date": "2026-12-01", "speedup": 1.631}))
+    text = "\n".join(repeat_runs())
+    assert "1.631x (`attention_57b_tp3_h200_repeat_1.json`) (2026-12-01; the attention kernels are unchanged since)" in text
+    assert ("103.3 ms at 74.4 J a step (`step_57b_tp3_h200_repeat_1.json`; 2026-12-01, at the engine code of "
+            "`step_57b_tp3_h200_2026-12-01.json`, before its graph wrote the sink's keys)") in text
+    assert ("102.1 ms at 72.5 J a step (`step_57b_tp3_h200_repeat_2.json`; 2026-12-02, at the engine code of the step "
+            "above)") in text

@@ -642,27 +642,32 @@ def step_energy(step: dict) -> list[str]:
     return out + [""]
 
 
+# The engine code of a step repeat that did not run the code of the step above
+STEP_REPEAT_CODE = {"step_57b_tp3_h200_repeat_1.json": f"at the engine code of `{STEP_BEFORE_GRAPH_SINK}`, before its graph "
+                                                       "wrote the sink's keys"}
+
+
 def repeat_runs() -> list[str]:
-    """Later runs of the two target commands at the same engine code, on a machine of the same kind started afresh
-    (`*_repeat_N.json`): how far the target rows move from run to run."""
+    """Later runs of the two target commands on machines of the same kind started afresh (`*_repeat_N.json`):
+    how far the target rows move from run to run and machine to machine."""
     att = [(p.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("attention_57b_tp3_h200_repeat_*.json"))]
     step = [(p.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("step_57b_tp3_h200_repeat_*.json"))]
     if not att and not step:
         return []
     parts = []
     if att:
+        dates = ", ".join(sorted({r.get("date", "?") for _, r in att}))
         parts.append("`python -m engine.bench attention --tp-shard 3 --json` "
                      + ", ".join(f"{r['speedup']:.3f}x ({r['speedup_e4m3_out']:.3f}x with the e4m3 output; `{name}`)"
-                                 if "speedup_e4m3_out" in r else f"{r['speedup']:.3f}x (`{name}`)" for name, r in att))
+                                 if "speedup_e4m3_out" in r else f"{r['speedup']:.3f}x (`{name}`)" for name, r in att)
+                     + f" ({dates}; the attention kernels are unchanged since)")
     if step:
         parts.append("`python -m engine.bench step --spec characters-57b --tp-shard 3 --json` "
                      + ", ".join(f"{r['serving']['step_ms']:.1f} ms at {r['serving']['step_joules']:.1f} J a step "
-                                 f"(`{name}`)" for name, r in step))
-    dates = sorted({r.get("date", "?") for _, r in att + step})
-    step_code = (f" (the step's at the engine code of `{STEP_BEFORE_GRAPH_SINK}`, before its graph wrote the "
-                 "sink's keys; the attention kernels are unchanged since)") if (RESULTS / STEP_BEFORE_GRAPH_SINK).exists() else ""
-    return [f"Repeats of the target commands, in one later call on a machine of the same kind started afresh"
-            f"{step_code} ({', '.join(dates)}; results in `docs/results/`): " + "; ".join(parts) + ".", ""]
+                                 f"(`{name}`; {r.get('date', '?')}, {STEP_REPEAT_CODE.get(name, 'at the engine code of the step above')})"
+                                 for name, r in step))
+    return ["Repeats of the target commands, on machines of the same kind started afresh for them (the runs of one date "
+            "in one call; results in `docs/results/`): " + "; ".join(parts) + ".", ""]
 
 
 def served_gemm_kernels(spec_name: str, tp: int) -> dict[str, str]:
