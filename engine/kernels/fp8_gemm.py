@@ -25,6 +25,9 @@ against 99.5 with one program per SM, in turns on one H200; nor did a program a 
 Nor did the tiles past the whole rounds, cut in half-width tiles (q/k/v and MLP-out: 132 tiles of 128x256, then 96 of
 128x128 in one round of half the time): alone faster (q/k/v 75.5 against 82.5 us a call with the clock up, cuBLAS 66.5),
 in the step slower (107.2 against 103.1 ms, in turns on one H200): the wider last round holds SMs the other branch took.
+Nor did programs taking tiles as they come free (a counter in global memory, the next tile asked for under this
+one, in a loop Triton does not pipeline across tiles): q/k/v 87.7 against 82.7 us a call alone, a block's three on
+Triton with MLP-in's pair on the side stream 289 against 269 us, the step 106.7 against 102.3 ms (in turns, another H200).
 A stream-K form (whole rounds of tiles, then the tiles left over cut into one equal run of k-blocks a program,
 partial sums through global memory, the last program to arrive at a tile summing them) was slower still there:
 q/k/v 90.6 us a call with the clock up against 66.2 us on cuBLAS in the same run (82.6 us in two whole rounds in
