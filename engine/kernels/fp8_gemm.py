@@ -19,6 +19,8 @@ a call alone: on one H200 the 128x256 form took 0.55 pJ per FLOP with N = 16896 
 against 0.68-0.69 at N = 7680 (cuBLAS: 0.55 and 0.61). In the step the other branch's kernels fill the SMs
 that last round leaves, and there q/k/v and MLP-out on this kernel made the step 0.6-0.9 ms faster than on
 cuBLAS (five runs on H200s, in turns), where either one alone on it made it slower (by 1.3 and 2.9 ms, one run).
+In 128x128 tiles on this kernel they made it slower (both 105.9, q/k/v alone 103.5, MLP-out alone 103.3 against
+101.5 ms), and so did the out-projection on it (128x128: 102.4, 128x256: 102.5 against 101.3), in turns on one H200.
 Nor did launching only as many programs as finish in the same rounds, each taking as many tiles (90 of 2 for those
 products, 128 of 3 for MLP-in), free SMs for the other branch to its gain: 102.4 ms a step (those two) and 99.7 (MLP-in)
 against 99.5 with one program per SM, in turns on one H200; nor did a program a tile (103.8 against 102.6 ms, another run).
