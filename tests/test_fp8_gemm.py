@@ -135,6 +135,10 @@ def test_plain_tiles_are_256_wide_where_the_output_tiles_in_them():
     assert plain_block_n(7680) == 256 and plain_block_n(5760) == 128 and plain_block_n(384) == 128
     assert FP8Linear(torch.nn.Linear(64, 512, bias=False)).block_n == 256
     assert FP8Linear(torch.nn.Linear(64, 384, bias=False)).block_n == 128
+    lin = FP8Linear(torch.nn.Linear(64, 512, bias=False))
+    assert lin._triton_gemm(False).block_n == 256
+    lin.block_n = 128  # a launcher made for the old width is not reused
+    assert lin._triton_gemm(False).block_n == 128
 
 
 @pytest.mark.gpu

@@ -87,7 +87,7 @@ class FP8Linear(nn.Module):
         self.gemm_kernel = gemm_kernel
         # The Triton kernel's output tile width in its plain form (`plain_block_n` of the output width unless given)
         self.block_n = plain_block_n(self.out_features) if block_n is None else block_n
-        self._launchers: dict[tuple[bool, bool], object] = {}
+        self._launchers: dict[tuple[bool, bool, int], object] = {}  # by (swiglu, fast_accum, block_n): each may be changed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -99,7 +99,7 @@ class FP8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _triton_gemm(self, swiglu: bool):
-        key = (swiglu, self.fast_accum)
+        key = (swiglu, self.fast_accum, self.block_n)
         if key not in self._launchers:
             from engine.kernels.fp8_gemm import FP8GEMM
 
