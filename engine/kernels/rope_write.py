@@ -111,9 +111,9 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     (`engine.bench step` times the cache upkeep both ways). Blocks of 32 rows and 8 warps made the 57b tp3 step
     100.8 and 100.6 against 101.2 and 100.8 ms in two runs on H200s, in turns (16 rows and 4 warps: 100.9; 32 rows
     and 4 warps: 101.0), gains inside the spread of one run's five timings (about 1 ms), so the write keeps 16 rows.
-    With `pv_order`, V's slots go where the
-    warp-specialised attention kernel reads them (fp8_attention_ws.pv_slot_order): one more token block per
-    head, as the blocks of V's columns start at the frame's first 16-aligned slot; block_t a multiple of 16."""
+    With `pv_order`, V's slots go where the warp-specialised attention kernel reads them
+    (fp8_attention_ws.pv_slot_order): one more token block per head, as the blocks of V's columns start at the
+    frame's first 16-aligned slot; block_t a multiple of 16."""
     H, F, D = k.shape
     S = k_cache.shape[1]
     for x in (q, k, v):
