@@ -517,6 +517,15 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             bf16_out.cache.e4m3_out = False
             time_flipped(bf16_out, "step_ms_with_attention_out_bf16")
             del bf16_out
+            from engine.kernels import launch_pdl, set_pdl
+
+            out["pdl"] = launch_pdl(device)
+            if out["pdl"]:  # and with every kernel launched after the one before has ended (its graph captured so)
+                set_pdl(False)
+                try:
+                    time_flipped(serving(), "step_ms_without_pdl")
+                finally:
+                    set_pdl(None)
             out["flip_rounds"] = FLIP_ROUNDS
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))

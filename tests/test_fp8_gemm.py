@@ -190,16 +190,22 @@ def desc(rows, cols, block, dtype=torch.float8_e4m3fn):
 const = lambda *names: {n: "constexpr" for n in names}
 builds = []
 # the launcher's defaults and FP8Linear's plain form where outputs tile in 256, at the 57b shard's tiles
-for swiglu, block_n, stages in ((False, 128, 4), (False, 256, 3), (True, 128, 3)):
+for swiglu, block_n, stages, pdl in ((False, 128, 4, False), (False, 256, 3, False), (True, 128, 3, False), (False, 256, 3, True), (True, 128, 3, True)):
     sig = {"x_desc": desc(256, 256, (128, 128)), "w_desc": desc(512, 256, (2 * block_n if swiglu else block_n, 128)),
            "y_desc": desc(256, 512, (128, block_n), torch.bfloat16), "sx": "*fp32", "sw": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-           **const("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PROGRAMS", "SWIGLU", "PROMOTE_EVERY", "EXACT")}
-    values = dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, PROGRAMS=132, SWIGLU=swiglu, PROMOTE_EVERY=None, EXACT=False)
-    builds.append(triton.compile(ASTSource(_fp8_gemm_kernel, sig, constexprs=values), target=hopper,
-                                 options={"num_warps": 8, "num_stages": stages, **FP_FUSION}))
-for built in builds:
+           **const("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PROGRAMS", "SWIGLU", "PROMOTE_EVERY", "EXACT", "PDL")}
+    values = dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, PROGRAMS=132, SWIGLU=swiglu, PROMOTE_EVERY=None, EXACT=False,
+                  PDL=pdl)
+    builds.append((pdl, triton.compile(ASTSource(_fp8_gemm_kernel, sig, constexprs=values), target=hopper,
+                                       options={"num_warps": 8, "num_stages": stages, **FP_FUSION,
+                                                **({"launch_pdl": True} if pdl else {})})))
+for pdl, built in builds:
     ptx = built.asm["ptx"]
     assert ".target sm_90a" in ptx and "wgmma.mma_async" in ptx, built.name
+    # with PDL each program waits for the previous kernel before its first TMA load
+    assert ("griddepcontrol.wait" in ptx) == pdl and "griddepcontrol.launch_dependents" not in ptx, built.name
+    if pdl:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor"), built.name
     assert built.metadata.shared <= 232448, (built.name, built.metadata.shared)  # an H100/H200 block's shared memory
 print("built")
 """

@@ -423,6 +423,42 @@ def test_cuda_graph_replay_equals_eager_steps_with_fp8_linears_and_branch_stream
     assert torch.equal(eager, graph)
 
 
+def test_programmatic_dependent_launch_is_off_without_a_gpu_or_when_turned_off(monkeypatch):
+    """PDL needs sm_90 and a CUDA launch: never on the CPU or under the interpreter; set_pdl and TALKLOOP_PDL=0 turn it off."""
+    from engine.kernels import PDL_ENV, launch_pdl, pdl_launch, set_pdl
+
+    assert pdl_launch(torch.device("cpu")) == (False, {})
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert not launch_pdl(DEVICE)
+    monkeypatch.delenv(PDL_ENV)
+    try:
+        set_pdl(False)
+        assert not launch_pdl(DEVICE)
+    finally:
+        set_pdl(None)
+
+
+@pytest.mark.gpu
+def test_programmatic_dependent_launch_changes_no_step_eager_or_in_the_graph():
+    """The serving configuration with and without PDL (the kernels that take it wait for the one before): the same
+    latents bit for bit, eagerly and replayed from the step's graph, and launched with it where this GPU and Triton can."""
+    from engine.kernels import launch_pdl, set_pdl
+    from engine.kernels.fp8_linear import quantize_linears_
+
+    model = quantize_linears_(_model(), fuse=True, branch_streams=True)
+    runs = {}
+    try:
+        for pdl in (False, True):
+            set_pdl(pdl)
+            assert launch_pdl(DEVICE) == (pdl and torch.cuda.get_device_capability(DEVICE)[0] >= 9)
+            runs[pdl] = [run_session(model, 8, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=graph)
+                         for graph in (False, True)]
+    finally:
+        set_pdl(None)
+    for without, with_pdl in zip(runs[False], runs[True]):
+        assert torch.equal(without, with_pdl)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_scaled_mm_path_matches_the_dequantised_reference(fast_accum):
@@ -644,23 +680,32 @@ from engine.kernels.rope_write import _write_frame_kernel
 
 hopper = GPUTarget("cuda", 90, 32)
 rows = {"x": "*bf16", "shift": "*bf16", "scale": "*bf16", "h8": "*fp8e4nv", "sh": "*fp32", "K": "i32", "eps": "fp32",
-        "BLOCK_K": "constexpr", "EXACT": "constexpr"}
+        "BLOCK_K": "constexpr", "EXACT": "constexpr", "PDL": "constexpr"}
 gated = {"a": "*bf16", "m": "*bf16", "ga": "*bf16", "gm": "*bf16", "x": "*bf16", "y": "*bf16", "shift": "*bf16", "scale": "*bf16",
-         "h8": "*fp8e4nv", "sh": "*fp32", "K": "i32", "eps": "fp32", "BLOCK_K": "constexpr", "EXACT": "constexpr"}
+         "h8": "*fp8e4nv", "sh": "*fp32", "K": "i32", "eps": "fp32", "BLOCK_K": "constexpr", "EXACT": "constexpr",
+         "PDL": "constexpr"}
 write = {**{n: "*bf16" for n in ("q", "k", "v")}, **{n: "i32" for n in ("s_qh", "s_qt", "s_kh", "s_kt", "s_vh", "s_vt")},
          "cos": "*fp32", "sin": "*fp32", "pos_idx": "*i32", "slot": "*i32", "q8": "*fp8e4nv", "k_cache": "*fp8e4nv",
          "vt_cache": "*fp8e4nv", "valid": "*i8", "q_scale": "*fp32", "k_scale": "*fp32", "v_scale": "*fp32", "gains": "*bf16",
          "eps": "fp32", "F": "i32", "S": "i32", "H": "i32", "D": "constexpr", "BLOCK_T": "constexpr", "EXACT": "constexpr",
-         "NORM": "constexpr", "PV_ORDER": "constexpr"}
+         "NORM": "constexpr", "PV_ORDER": "constexpr", "PDL": "constexpr"}
 plain_sum = {n: gated[n] for n in ("a", "m", "ga", "gm", "x", "y", "K")}
 plain_sum.update(HAS_X="constexpr", BLOCK_K="constexpr")
-for kernel, sig, const in ((_ln_mod_quant_kernel, rows, {"BLOCK_K": 8192, "EXACT": False}),
+for kernel, sig, const in (*((_ln_mod_quant_kernel, rows, {"BLOCK_K": 8192, "EXACT": False, "PDL": pdl}) for pdl in (False, True)),
                            (_gated_sum_kernel, plain_sum, {"HAS_X": True, "BLOCK_K": 1024}),
-                           (_gated_sum_ln_quant_kernel, gated, {"BLOCK_K": 8192, "EXACT": False}),
-                           *((_write_frame_kernel, write, {"D": 128, "BLOCK_T": t, "EXACT": False, "NORM": True, "PV_ORDER": pv})
-                             for t in (16, 64) for pv in (False, True))):
-    built = triton.compile(ASTSource(kernel, sig, constexprs=const), target=hopper, options={"num_warps": 8, **FP_FUSION})
-    assert ".target sm_90" in built.asm["ptx"], kernel
+                           *((_gated_sum_ln_quant_kernel, gated, {"BLOCK_K": 8192, "EXACT": False, "PDL": pdl}) for pdl in (False, True)),
+                           *((_write_frame_kernel, write, {"D": 128, "BLOCK_T": t, "EXACT": False, "NORM": True, "PV_ORDER": pv,
+                                                           "PDL": pdl})
+                             for t in (16, 64) for pv in (False, True) for pdl in (False, True))):
+    pdl = const.get("PDL", False)
+    built = triton.compile(ASTSource(kernel, sig, constexprs=const), target=hopper,
+                           options={"num_warps": 8, **FP_FUSION, **({"launch_pdl": True} if pdl else {})})
+    ptx = built.asm["ptx"]
+    assert ".target sm_90" in ptx, kernel
+    # with PDL every program waits for the previous kernel before its first load, and none lets the next one launch early
+    assert ("griddepcontrol.wait" in ptx) == pdl and "griddepcontrol.launch_dependents" not in ptx, (kernel, const)
+    if pdl:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), (kernel, const)
     if kernel is _write_frame_kernel:  # V's (D, BLOCK_T) store runs along the slots in either order: coalesced
         ir = built.asm["ttgir"]
         store = re.search(r"tt\.store [^\n]*tensor<128x%dx!tt\.ptr<f8E4M3FN>, (#\w+)>" % const["BLOCK_T"], ir).group(1)

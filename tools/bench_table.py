@@ -916,6 +916,7 @@ def main() -> None:
                 "block kernels" + (" and fast accumulation" if step.get("fast_accum") else "")
                 + gemm_kernels_text(s)
                 + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
+                + (", the Triton kernels after a kernel launched with programmatic dependent launch" if s.get("pdl") else "")
                 + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
                 "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
                 "kernel launches, so its total varies between machines and runs more than its parts do.", "",
@@ -982,6 +983,11 @@ def main() -> None:
             out += ["With the attention's output in bf16 and quantised per row before the out-projection (its setting "
                     "before; above: written in e4m3 by the attention kernel; same weights, same run): "
                     f"{ms(s['step_ms_with_attention_out_bf16'])} ms per step, {against(s, 'step_ms_with_attention_out_bf16')}.", ""]
+        if "step_ms_without_pdl" in s:
+            out += ["With every kernel launched only once the one before it has ended (`TALKLOOP_PDL=0`; above: the "
+                    "Triton kernels, the GEMMs among them, launched with programmatic dependent launch, so that their "
+                    "programs take the SMs as the kernel before frees them and wait there for its writes; same weights, "
+                    f"same run): {ms(s['step_ms_without_pdl'])} ms per step, {against(s, 'step_ms_without_pdl')}.", ""]
         turns = f", the variants timed in turns, median of {s['upkeep_rounds']}" if "upkeep_rounds" in s else ""
         if "cache_upkeep_ms_write_blocks_of_64" in s:
             out += ["With the frame write in blocks of 64 rows and 4 warps (its setting before; now 16 rows, 8 warps; "

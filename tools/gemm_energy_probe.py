@@ -148,10 +148,10 @@ def elementwise(res, dev, g, meter, seconds, H) -> None:
     for warps in (4, 8, 16):
         def gsum(warps=warps):
             fused_block._gated_sum_ln_quant_kernel[(M,)](a, m, ga, gmm, x, y, sh, sc, h8, shh, D, 1e-6, BLOCK_K=8192,
-                                                         EXACT=False, num_warps=warps, **FP_FUSION)
+                                                         EXACT=False, PDL=False, num_warps=warps, **FP_FUSION)
 
         def qrows(warps=warps):
-            _quant_rows_kernel[(M,)](s, s8, ss, H, H, BLOCK_K=8192, EXACT=False, num_warps=warps, **FP_FUSION)
+            _quant_rows_kernel[(M,)](s, s8, ss, H, H, BLOCK_K=8192, EXACT=False, PDL=False, num_warps=warps, **FP_FUSION)
         row[f"gated_sum_ln_quant_w{warps}"] = measure(gsum, dev, meter, seconds)
         row[f"quant_rows_w{warps}"] = measure(qrows, dev, meter, seconds)
     res["elementwise"] = row

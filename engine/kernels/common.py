@@ -36,3 +36,12 @@ def round_to(x, dtype: tl.constexpr, EXACT: tl.constexpr):
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
         return b.to(tl.float32, bitcast=True)
     return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """With PDL (the kernel launched with programmatic dependent launch, so its programs may start while the
+    stream's previous kernel ends): wait until that kernel has finished and its writes are visible, before this
+    program reads or writes anything."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels import FP_FUSION, interpreting
-from engine.kernels.common import round_to
+from engine.kernels import FP_FUSION, interpreting, pdl_launch
+from engine.kernels.common import round_to, wait_for_previous_kernel
 
 
 @triton.jit
@@ -60,7 +60,8 @@ def _tile(t, num_m, num_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _fp8_gemm_kernel(x_desc, w_desc, y_desc, sx, sw, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, SWIGLU: tl.constexpr,
-                     PROMOTE_EVERY: tl.constexpr, EXACT: tl.constexpr):
+                     PROMOTE_EVERY: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     k_blocks = tl.cdiv(K, BLOCK_K)
@@ -134,11 +135,12 @@ class FP8GEMM:
         y_desc = TensorDescriptor.from_tensor(out, [self.block_m, self.block_n])
         tiles = triton.cdiv(M, self.block_m) * (self.N // self.block_n)
         programs = min(tiles, _sm_count(x8.device)) if self.persistent else tiles
+        pdl, pdl_kw = pdl_launch(x8.device)
         _fp8_gemm_kernel[(programs,)](x_desc, self._w_desc, y_desc, sx, self.sw, M, self.N, K, BLOCK_M=self.block_m,
                                       BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=self.group_m,
                                       PROGRAMS=programs, SWIGLU=self.swiglu,
                                       PROMOTE_EVERY=None if self.fast_accum else self.block_k, EXACT=interpreting(),
-                                      num_stages=self.stages, num_warps=self.num_warps, **FP_FUSION)
+                                      PDL=pdl, num_stages=self.stages, num_warps=self.num_warps, **FP_FUSION, **pdl_kw)
         return out
 
 

@@ -19,8 +19,8 @@ import triton.language as tl
 from torch import nn
 
 from engine import fp8
-from engine.kernels import FP_FUSION, interpreting
-from engine.kernels.common import to_fp8
+from engine.kernels import FP_FUSION, interpreting, pdl_launch
+from engine.kernels.common import to_fp8, wait_for_previous_kernel
 
 log = logging.getLogger("talkloop.kernels")
 
@@ -28,7 +28,8 @@ FP8_GEMM_KERNELS = ("cublas", "triton")  # torch._scaled_mm | engine/kernels/fp8
 
 
 @triton.jit
-def _quant_rows_kernel(x, x8, sx, K, s_x, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+def _quant_rows_kernel(x, x8, sx, K, s_x, BLOCK_K: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_K)
     ok = cols < K
@@ -44,8 +45,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.stride(1) == 1
     x8 = torch.empty(M, K, device=x.device, dtype=fp8.FP8)
     sx = torch.empty(M, 1, device=x.device, dtype=torch.float32)
+    pdl, pdl_kw = pdl_launch(x.device)
     _quant_rows_kernel[(M,)](x, x8, sx, K, x.stride(0), BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
-                             num_warps=8 if K >= 4096 else 4, **FP_FUSION)
+                             PDL=pdl, num_warps=8 if K >= 4096 else 4, **FP_FUSION, **pdl_kw)
     return x8, sx
 
 

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from engine import fp8
-from engine.kernels import FP_FUSION, interpreting
-from engine.kernels.common import to_fp8
+from engine.kernels import FP_FUSION, interpreting, pdl_launch
+from engine.kernels.common import to_fp8, wait_for_previous_kernel
 
 
 @triton.jit
@@ -43,7 +43,8 @@ def _ln_mod_quant_row(v, c, ok, row, shift, scale, h8, sh, K, eps, EXACT: tl.con
 
 
 @triton.jit
-def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+def _ln_mod_quant_kernel(x, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_K)
     ok = c < K
@@ -56,8 +57,9 @@ def ln_modulate_quant(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
     N, K = x.shape
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
     sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
+    pdl, pdl_kw = pdl_launch(x.device)
     _ln_mod_quant_kernel[(N,)](x, shift, scale, h8, sh, K, eps, BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(),
-                               num_warps=8 if K >= 4096 else 4, **FP_FUSION)
+                               PDL=pdl, num_warps=8 if K >= 4096 else 4, **FP_FUSION, **pdl_kw)
     return h8, sh
 
 
@@ -123,7 +125,9 @@ def gated_sum(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, gate_m: to
 
 
 @triton.jit
-def _gated_sum_ln_quant_kernel(a, m, ga, gm, x, y, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr):
+def _gated_sum_ln_quant_kernel(a, m, ga, gm, x, y, shift, scale, h8, sh, K, eps, BLOCK_K: tl.constexpr, EXACT: tl.constexpr,
+                               PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_K)
     ok = c < K
@@ -156,9 +160,10 @@ def gated_sum_ln_quant(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, g
     y = torch.empty_like(x)
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
     sh = torch.empty(N, 1, device=x.device, dtype=torch.float32)
+    pdl, pdl_kw = pdl_launch(x.device)
     _gated_sum_ln_quant_kernel[(N,)](a, m, gate_a, gate_m, x, y, shift, scale, h8, sh, K, eps,
-                                     BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(), num_warps=8 if K >= 4096 else 4,
-                                     **FP_FUSION)
+                                     BLOCK_K=triton.next_power_of_2(K), EXACT=interpreting(), PDL=pdl,
+                                     num_warps=8 if K >= 4096 else 4, **FP_FUSION, **pdl_kw)
     return y, h8, sh
 
 

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import FP_FUSION, interpreting
-from engine.kernels.common import round_to, to_fp8
+from engine.kernels import FP_FUSION, interpreting, pdl_launch
+from engine.kernels.common import round_to, to_fp8, wait_for_previous_kernel
 
 
 @triton.jit
@@ -65,7 +65,9 @@ def _write_frame_kernel(
     gains, eps,  # (3, H, D): q, k, v norm gains, read with NORM
     F, S, H,
     D: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr, PV_ORDER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid_t, h = tl.program_id(0), tl.program_id(1)
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tok < F
@@ -124,11 +126,12 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     if pv_order and block_t % 16:
         raise ValueError(f"pv_order needs block_t a multiple of 16 (V's slots are reordered within groups of 16), got {block_t}")
     grid = (triton.cdiv(F + (15 if pv_order else 0), block_t), H)
+    pdl, pdl_kw = pdl_launch(q.device)
     _write_frame_kernel[grid](
         q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos, sin, pos_idx, slot, q8, k_cache, vt_cache, valid, q_scale, k_scale, v_scale, gains, eps, F, S, H,
-        D=D, BLOCK_T=block_t, EXACT=interpreting(), NORM=head_norm is not None, PV_ORDER=pv_order, num_warps=num_warps,
-        **FP_FUSION,
+        D=D, BLOCK_T=block_t, EXACT=interpreting(), NORM=head_norm is not None, PV_ORDER=pv_order, PDL=pdl,
+        num_warps=num_warps, **FP_FUSION, **pdl_kw,
     )
 
 
