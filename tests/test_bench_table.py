@@ -164,5 +164,20 @@ def test_each_step_repeat_names_its_date_and_engine_code(tmp_path, monkeypatch):
     assert "1.631x (`attention_57b_tp3_h200_repeat_1.json`) (2026-12-01; the attention kernels are unchanged since)" in text
     assert ("103.3 ms at 74.4 J a step (`step_57b_tp3_h200_repeat_1.json`; 2026-12-01, at the engine code of "
             "`step_57b_tp3_h200_2026-12-01.json`, before its graph wrote the sink's keys)") in text
-    assert ("102.1 ms at 72.5 J a step (`step_57b_tp3_h200_repeat_2.json`; 2026-12-02, at the engine code of the step "
-            "above)") in text
+    assert ("102.1 ms at 72.5 J a step (`step_57b_tp3_h200_repeat_2.json`; 2026-12-02, at the engine code of "
+            "`step_57b_tp3_h200_2026-12-02.json`, before the Triton kernels launched with programmatic dependent launch)") in text
+    (tmp_path / "step_57b_tp3_h200_repeat_3.json").write_text(json.dumps(step(98.57, 71.0, "2026-12-02")))
+    assert ("98.6 ms at 71.0 J a step (`step_57b_tp3_h200_repeat_3.json`; 2026-12-02, at the engine code of the step "
+            "above)") in "\n".join(repeat_runs())
+
+
+def test_the_run_before_pdl_is_set_against_this_runs_step_without_pdl_timed_in_turns(tmp_path, monkeypatch):
+    from bench_table import run_before_pdl
+
+    monkeypatch.setattr(bench_table, "RESULTS", tmp_path)
+    step = {"serving": {"step_ms": 96.43, "step_ms_without_pdl": 98.14, "step_ms_without_pdl_serving": 97.79}}
+    assert run_before_pdl(step) == []  # no earlier run to set it against
+    (tmp_path / "step_57b_tp3_h200_2026-12-02.json").write_text(json.dumps({"date": "2026-12-02", "serving": {"step_ms": 100.62}}))
+    text = "\n".join(run_before_pdl(step))
+    assert "100.6 ms per step, here 96.4" in text and "took 98.1 against 97.8 ms" in text
+    assert run_before_pdl({"serving": {"step_ms": 96.4}}) == []  # a run that did not time the step without PDL

@@ -643,8 +643,26 @@ def step_energy(step: dict) -> list[str]:
 
 
 # The engine code of a step repeat that did not run the code of the step above
+STEP_BEFORE_PDL = "step_57b_tp3_h200_2026-12-02.json"  # the step's run before its Triton kernels launched with PDL
 STEP_REPEAT_CODE = {"step_57b_tp3_h200_repeat_1.json": f"at the engine code of `{STEP_BEFORE_GRAPH_SINK}`, before its graph "
-                                                       "wrote the sink's keys"}
+                                                       "wrote the sink's keys",
+                    "step_57b_tp3_h200_repeat_2.json": f"at the engine code of `{STEP_BEFORE_PDL}`, before the Triton kernels "
+                                                       "launched with programmatic dependent launch"}
+
+
+def run_before_pdl(step: dict, name: str = STEP_BEFORE_PDL) -> list[str]:
+    """The run of the step benchmark before its Triton kernels launched with PDL (result `name`), beside this one and
+    beside this run's own step without PDL, timed in turns: what PDL moved, and what the machine did."""
+    earlier = load(name)
+    s = step["serving"]
+    if not earlier or "step_ms_without_pdl" not in s:
+        return []
+    return [f"The run before the Triton kernels launched with programmatic dependent launch ({earlier.get('date', '?')}, "
+            f"result `docs/results/{name}`, in another session on a machine of the same kind): "
+            f"{ms(earlier['serving']['step_ms'])} ms per step, here {ms(s['step_ms'])}. In this run the step without PDL, "
+            f"timed in turns with the served one, took {ms(s['step_ms_without_pdl'])} against "
+            f"{ms(s.get('step_ms_without_pdl_serving', s['step_ms']))} ms: the rest of the difference between the two runs is "
+            "the machine's (H200s of this kind differ by a few percent in this step).", ""]
 
 
 def repeat_runs() -> list[str]:
@@ -944,6 +962,7 @@ def main() -> None:
         out += step_graph_time(s)
         out += step_energy(step)
         out += host_share_before(step)
+        out += run_before_pdl(step)
         out += earlier_step_run(step, "step_57b_tp3_h200_2026-11-30.json")
         for key, setting, what in (("step_ms_with_branch_streams", "branch-streams on", "each block's MLP branch on a side stream"),
                                    ("step_ms_without_branch_streams", "branch-streams off", "each block's MLP branch in line"),
@@ -1015,9 +1034,11 @@ def main() -> None:
             out += ["The profile, the timeline and the clock log below come from runs of an earlier commit, whose step served "
                     f"the warp-specialised attention with {ws_options(NEAREST_P_OPTIONS)} (the step above: "
                     f"{ws_options(served)})"
-                    + ("; the GEMMs and the other kernels are as above." if same_gemms else
+                    + ("; the GEMMs and the other kernels are as above" if same_gemms else
                        f" and its FP8 GEMMs with {kernels_in_words(profiled)} (the step above: {kernels_in_words(s)}); the other "
-                       "kernels are as above."), ""]
+                       "kernels are as above")
+                    + ("; each kernel was launched once the one before it had ended (the step above: its Triton kernels with "
+                       "programmatic dependent launch)." if s.get("pdl") else "."), ""]
         else:
             same_gemms = True
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"], s.get("gemm_ms") if same_gemms else None)
