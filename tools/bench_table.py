@@ -934,7 +934,7 @@ def main() -> None:
                 "block kernels" + (" and fast accumulation" if step.get("fast_accum") else "")
                 + gemm_kernels_text(s)
                 + (", each block's MLP branch on a side stream beside its attention" if step.get("branch_streams") else "")
-                + (", the Triton kernels after a kernel launched with programmatic dependent launch" if s.get("pdl") else "")
+                + (", the Triton kernels launched with programmatic dependent launch" if s.get("pdl") else "")
                 + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
                 "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
                 "kernel launches, so its total varies between machines and runs more than its parts do.", "",

@@ -70,13 +70,15 @@ WS_HEAD_DIMS = (32, 64, 128)  # head sizes the warp-specialised kernel is built 
 
 
 def hopper_feature(device_index: int, feature: str, module: str, fallback: str,
-                   build: Callable[[], object] | None = None) -> bool:
-    """A Hopper GPU (sm_90) and a Triton with `module` importable, and where `build` is given, one that builds the
-    kernel (an API that moved between Triton versions shows here, not at the first call): whether `feature` runs,
-    with one log line either way (`fallback`: what serves instead). Callers cache it per device."""
+                   build: Callable[[], object] | None = None, later_too: bool = False) -> bool:
+    """A Hopper GPU (sm_90; with `later_too`, sm_90 or later) and a Triton with `module` importable, and where `build`
+    is given, one that builds the kernel (an API that moved between Triton versions shows here, not at the first
+    call): whether `feature` runs, with one log line either way (`fallback`: what serves instead). Callers cache it
+    per device."""
     capability = torch.cuda.get_device_capability(device_index)
-    if capability[0] != 9:
-        log.info("%s off: it is for Hopper, this GPU is sm_%d%d; %s", feature, *capability, fallback)
+    if capability[0] < 9 or (capability[0] > 9 and not later_too):
+        log.info("%s off: it is for %s, this GPU is sm_%d%d; %s", feature, "sm_90 and later" if later_too else "Hopper",
+                 *capability, fallback)
         return False
     try:
         importlib.import_module(module)
@@ -144,18 +146,9 @@ def _build_pdl(device_index: int) -> None:
 @functools.cache
 def pdl_runs(device_index: int) -> bool:
     """A GPU of sm_90 or later and a Triton with `gdc_wait` and `launch_pdl`; probed once per device."""
-    capability = torch.cuda.get_device_capability(device_index)
-    if capability[0] < 9:
-        log.info("programmatic dependent launch off: it needs sm_90 or later, this GPU is sm_%d%d", *capability)
-        return False
-    try:
-        _build_pdl(device_index)
-    except Exception as e:  # an older Triton
-        lines = str(e).strip().splitlines()
-        log.info("programmatic dependent launch off: %s: %s", type(e).__name__, lines[-1][:200] if lines else "")
-        return False
-    log.info("programmatic dependent launch on (%s)", torch.cuda.get_device_name(device_index))
-    return True
+    return hopper_feature(device_index, "programmatic dependent launch", "triton.language.extra.cuda",
+                          "each kernel launches once the one before it has ended", build=lambda: _build_pdl(device_index),
+                          later_too=True)
 
 
 def launch_pdl(device: torch.device) -> bool:
