@@ -8,6 +8,31 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _interpreter_patched_namespaces() -> list:
+    """What Triton's interpreter patches while it runs a kernel: triton.language, its core, tensor, dtype, math,
+    condition and descriptor classes."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return []
+    return [tl, tl.core, tl.math, tl.tensor, tl.dtype, tl.condition, tl.core.tensor_descriptor_base]
+
+
+_PRISTINE = [(space, dict(vars(space))) for space in _interpreter_patched_namespaces()]
+
+
+@pytest.fixture(autouse=True)
+def _triton_language_as_it_was():
+    """The interpreter restores triton.language after a kernel, but not after a nested @triton.jit call (Triton
+    3.9): an interpreted kernel that calls a helper leaves builtins patched for the interpreter, and a later
+    in-process GPU build in the same pytest process (Gluon's, for one) fails to trace. Put them back after each test."""
+    yield
+    for space, attrs in _PRISTINE:  # the interpreter patches names that exist; names added since (submodules) stay
+        for name, value in attrs.items():
+            if vars(space).get(name) is not value:
+                setattr(space, name, value)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
