@@ -489,7 +489,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
                 for o in objects:
                     setattr(o, name, on)
             # MLP-in's FP8 product on the other kernel (cuBLAS, or Triton with SwiGLU in its epilogue); q/k/v and MLP-out
-            # on the other kernel where they share one; then all four on Triton
+            # on the other kernel where they share one; the out-projection on the other kernel; then all four on Triton
+            # unless served so
             kernels = {n: getattr(model.blocks[0], n).gemm_kernel for n in BLOCK_LINEARS}
             out["gemm_kernels"] = kernels
             out["triton_block_n"] = {n: getattr(model.blocks[0], n).block_n for n in BLOCK_LINEARS if n != "mlp_in"}
@@ -497,7 +498,10 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             flips = [(f"mlp_in_gemm_{swap(kernels['mlp_in'])}", ("mlp_in",), swap(kernels["mlp_in"]))]
             if kernels["qkv"] == kernels["mlp_out"]:
                 flips.append((f"qkv_mlp_out_gemms_{swap(kernels['qkv'])}", ("qkv", "mlp_out"), swap(kernels["qkv"])))
-            for label, names, kernel in (*flips, ("triton_gemms", BLOCK_LINEARS, "triton")):
+            flips.append((f"attn_out_gemm_{swap(kernels['attn_out'])}", ("attn_out",), swap(kernels["attn_out"])))
+            if set(kernels.values()) != {"triton"}:
+                flips.append(("triton_gemms", BLOCK_LINEARS, "triton"))
+            for label, names, kernel in flips:
                 chosen = [getattr(b, n) for b in model.blocks for n in names]
                 before = [o.gemm_kernel for o in chosen]
                 for o in chosen:
@@ -1037,11 +1041,13 @@ def attention_options_arg(text: str) -> dict:
     return options
 
 
-def gemm_kernels_args(mlp_in: str, qkv_mlp_out: str) -> dict[str, str] | None:
-    """--mlp-in-gemm and --qkv-mlp-out-gemm as bench_step's `gemm_kernels` (None: the engine's defaults)."""
+def gemm_kernels_args(mlp_in: str, qkv_mlp_out: str, attn_out: str = "auto") -> dict[str, str] | None:
+    """--mlp-in-gemm, --qkv-mlp-out-gemm and --attn-out-gemm as bench_step's `gemm_kernels` (None: the engine's defaults)."""
     chosen = {} if mlp_in == "auto" else {"mlp_in": mlp_in}
     if qkv_mlp_out != "auto":
         chosen.update(qkv=qkv_mlp_out, mlp_out=qkv_mlp_out)
+    if attn_out != "auto":
+        chosen.update(attn_out=attn_out)
     return chosen or None
 
 
@@ -1086,7 +1092,10 @@ def main(argv: list[str] | None = None) -> int:
                          "Hopper; the other is timed too)")
     st.add_argument("--qkv-mlp-out-gemm", choices=("auto", "cublas", "triton"), default="auto",
                     help="q/k/v's and MLP-out's FP8 products: cuBLAS, or the Triton kernel (auto: Triton on Hopper where "
-                         "both outputs tile in 256 columns and MLP-in is on Triton; the other is timed too)")
+                         "they and the out-projection tile in 256 columns and MLP-in is on Triton; the other is timed too)")
+    st.add_argument("--attn-out-gemm", choices=("auto", "cublas", "triton"), default="auto",
+                    help="the attention's out-projection's FP8 product: cuBLAS, or the Triton kernel (auto: as q/k/v's; "
+                         "the other is timed too)")
     st.add_argument("--attention-options", default="{}", type=attention_options_arg, help="JSON: kernel (triton|ws), block_m, block_n, splits, num_warps, num_stages, exp2 (mufu|fma|mixed), lazy_rescale, tma; ws: block_m, block_n, stages, maxnreg, pingpong, renamed_p, tree_max, exp2 (also e4m3_bits), row_sum (fma|tensor), tma_out; ws options change the served ones (fp8_attention_ws.SERVED_OPTIONS) only where given")
     # each subcommand takes the flags it uses (the all-reduce benchmark is of the 57b shape only)
     for q, spec_default in ((c, "demo"), (st, "characters-57b"), (at, "characters-57b"), (pl, "demo")):
@@ -1103,7 +1112,8 @@ def main(argv: list[str] | None = None) -> int:
         ignored = [flag for flag, value, default in (("--tp-shard", args.tp_shard, 1), ("--attention-options", args.attention_options, {}),
                                                      ("--branch-streams", args.branch_streams, "on"), ("--fast-accum", args.fast_accum, "on"),
                                                      ("--mlp-in-gemm", args.mlp_in_gemm, "auto"),
-                                                     ("--qkv-mlp-out-gemm", args.qkv_mlp_out_gemm, "auto")) if value != default]
+                                                     ("--qkv-mlp-out-gemm", args.qkv_mlp_out_gemm, "auto"),
+                                                     ("--attn-out-gemm", args.attn_out_gemm, "auto")) if value != default]
         if ignored:
             st.error(f"--world {args.world} times the served configuration on {args.world} ranks; it does not take {', '.join(ignored)}")
     try:
@@ -1130,7 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.bench == "step":
             result = bench_step(args.spec, args.tp_shard, device, args.steps, args.warmup, args.attention_options,
                                 branch_streams=args.branch_streams == "on", fast_accum=args.fast_accum == "on",
-                                gemm_kernels=gemm_kernels_args(args.mlp_in_gemm, args.qkv_mlp_out_gemm))
+                                gemm_kernels=gemm_kernels_args(args.mlp_in_gemm, args.qkv_mlp_out_gemm, args.attn_out_gemm))
         else:
             result = bench_attention(args.spec, args.tp_shard, device, args.repeats)
     except ValueError as e:

@@ -69,6 +69,8 @@ def test_gemm_kernel_flags_become_the_step_benchmark_s_kernel_choice():
     assert gemm_kernels_args("cublas", "auto") == {"mlp_in": "cublas"}
     assert gemm_kernels_args("auto", "cublas") == {"qkv": "cublas", "mlp_out": "cublas"}
     assert gemm_kernels_args("triton", "triton") == {"mlp_in": "triton", "qkv": "triton", "mlp_out": "triton"}
+    assert gemm_kernels_args("auto", "auto", "cublas") == {"attn_out": "cublas"}
+    assert gemm_kernels_args("triton", "triton", "triton") == dict.fromkeys(("mlp_in", "qkv", "mlp_out", "attn_out"), "triton")
 
 
 def test_the_triton_attention_launcher_refuses_tiles_it_cannot_run():

@@ -108,10 +108,12 @@ def test_default_kernels_take_triton_only_where_the_swiglu_form_tiles(monkeypatc
     assert default_gemm_kernels(None, widths(2048)) == {}
     if DEVICE.type == "cuda":
         assert default_gemm_kernels(DEVICE, widths(2 * 96)) == {}  # gate/up halves of 96 columns: no 128-wide tiles
-        # q/k/v and MLP-out go with MLP-in, and only where both of their outputs tile in 256 columns
-        assert default_gemm_kernels(DEVICE, widths(2048)) == {"mlp_in": "triton", "qkv": "triton", "mlp_out": "triton"}
+        # q/k/v, the out-projection and MLP-out go with MLP-in, and only where all three outputs tile in 256 columns
+        four = dict.fromkeys(("mlp_in", "qkv", "attn_out", "mlp_out"), "triton")
+        assert default_gemm_kernels(DEVICE, widths(2048)) == four
         assert default_gemm_kernels(DEVICE, widths(2048, qkv=5760)) == {"mlp_in": "triton"}
         assert default_gemm_kernels(DEVICE, widths(2048, mlp_out=384)) == {"mlp_in": "triton"}
+        assert default_gemm_kernels(DEVICE, widths(2048, attn_out=384)) == {"mlp_in": "triton"}
     monkeypatch.setenv("TALKLOOP_FP8_GEMM", "cublas")  # the way back to cuBLAS everywhere
     assert default_gemm_kernels(DEVICE, widths(2048)) == {}
     monkeypatch.setenv("TALKLOOP_FP8_GEMM", "triton-please")
@@ -122,9 +124,9 @@ def test_default_kernels_take_triton_only_where_the_swiglu_form_tiles(monkeypatc
 def test_the_hopper_rule_at_the_57b_shard_s_degrees():
     from engine.kernels.fp8_linear import hopper_gemm_kernels
 
-    three = {"mlp_in": "triton", "qkv": "triton", "mlp_out": "triton"}
-    assert hopper_gemm_kernels(widths(2 * 24576 // 3, qkv=3 * 7680 // 3)) == three  # degree 3
-    assert hopper_gemm_kernels(widths(2 * 24576, qkv=3 * 7680)) == three  # degree 1
+    four = dict.fromkeys(("mlp_in", "qkv", "attn_out", "mlp_out"), "triton")
+    assert hopper_gemm_kernels(widths(2 * 24576 // 3, qkv=3 * 7680 // 3)) == four  # degree 3
+    assert hopper_gemm_kernels(widths(2 * 24576, qkv=3 * 7680)) == four  # degree 1
     assert hopper_gemm_kernels(widths(2 * 24576 // 4, qkv=3 * 7680 // 4)) == {"mlp_in": "triton"}  # degree 4: q/k/v 5760 wide
     assert hopper_gemm_kernels(widths(2 * 96)) == {}
 

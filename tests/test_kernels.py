@@ -423,6 +423,25 @@ def test_cuda_graph_replay_equals_eager_steps_with_fp8_linears_and_branch_stream
     assert torch.equal(eager, graph)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU")
+def test_block_linears_on_the_triton_gemm_track_cublas_through_a_session():
+    """As served on Hopper where the outputs tile (this spec's do): all four block linears on the Triton FP8 GEMM, the
+    out-projection reading the attention's e4m3 output; against the same weights with every product on cuBLAS."""
+    import copy
+
+    from engine.kernels.fp8_linear import BLOCK_LINEARS, quantize_linears_
+
+    model = _model()
+    served = quantize_linears_(copy.deepcopy(model), fuse=True, fast_accum=True)
+    assert {getattr(served.blocks[0], n).gemm_kernel for n in BLOCK_LINEARS} == {"triton"}
+    cublas = quantize_linears_(model, fuse=True, fast_accum=True, gemm_kernels=dict.fromkeys(BLOCK_LINEARS, "cublas"))
+    kw = dict(cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
+    fast, slow = run_session(served, 8, **kw), run_session(cublas, 8, **kw)
+    rel = ((fast.float() - slow.float()).norm() / slow.float().norm()).item()
+    assert rel <= 1e-2, rel
+
+
 def test_programmatic_dependent_launch_is_off_without_a_gpu_or_when_turned_off(monkeypatch):
     """PDL needs sm_90 and a CUDA launch: never on the CPU or under the interpreter; set_pdl and TALKLOOP_PDL=0 turn it off."""
     from engine.kernels import PDL_ENV, launch_pdl, pdl_launch, set_pdl

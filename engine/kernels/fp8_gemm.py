@@ -10,17 +10,20 @@ run under this tile's epilogue. In the SwiGLU form each program multiplies the g
 tile of the same columns from one x tile and writes only their product: the (M, 2N) pre-activation
 that cuBLAS would write and the SwiGLU pass read back never exists (half the bytes each way).
 
-On Hopper the engine serves MLP-in with the SwiGLU form, and q/k/v and MLP-out with the plain form in
-128x256 tiles where both outputs tile in 256 columns (FP8Linear; the out-projection stays on cuBLAS,
-`torch._scaled_mm`): `engine.bench step` times the step with MLP-in on cuBLAS instead, with q/k/v and MLP-out
-on cuBLAS, and with all four block linears on this kernel (docs/benchmarks.md). At the 57b shard's N = 7680
+On Hopper the engine serves MLP-in with the SwiGLU form, and q/k/v, the attention's out-projection and MLP-out
+with the plain form in 128x256 tiles where all three outputs tile in 256 columns (FP8Linear; cuBLAS,
+`torch._scaled_mm`, elsewhere): `engine.bench step` times the step with MLP-in on cuBLAS instead, with q/k/v and
+MLP-out on cuBLAS, and with the out-projection on cuBLAS (docs/benchmarks.md). At the 57b shard's N = 7680
 products the tiles fall short of whole rounds of SMs (180 of 128x256: 1.36 rounds of 132), which costs energy
 a call alone: on one H200 the 128x256 form took 0.55 pJ per FLOP with N = 16896 (396 tiles: three whole rounds)
 against 0.68-0.69 at N = 7680 (cuBLAS: 0.55 and 0.61). In the step the other branch's kernels fill the SMs
 that last round leaves, and there q/k/v and MLP-out on this kernel made the step 0.6-0.9 ms faster than on
 cuBLAS (five runs on H200s, in turns), where either one alone on it made it slower (by 1.3 and 2.9 ms, one run).
 In 128x128 tiles on this kernel they made it slower (both 105.9, q/k/v alone 103.5, MLP-out alone 103.3 against
-101.5 ms), and so did the out-projection on it (128x128: 102.4, 128x256: 102.5 against 101.3), in turns on one H200.
+101.5 ms), and so did the out-projection on it while q/k/v and MLP-out were on cuBLAS (128x128: 102.4, 128x256: 102.5
+against 101.3), in turns on one H200. With q/k/v and MLP-out on this kernel and its launches programmatically
+dependent (PDL; cuBLAS's are not), the out-projection on it made the step faster in four runs on H200s, by
+0.7-1.9 ms in turns.
 Nor did launching only as many programs as finish in the same rounds, each taking as many tiles (90 of 2 for those
 products, 128 of 3 for MLP-in), free SMs for the other branch to its gain: 102.4 ms a step (those two) and 99.7 (MLP-in)
 against 99.5 with one program per SM, in turns on one H200; nor did a program a tile (103.8 against 102.6 ms, another run).

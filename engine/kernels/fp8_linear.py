@@ -166,7 +166,8 @@ def prefer_static_gemm_schedule() -> bool:
 
 SWIGLU_BLOCK = 128  # MLP-in's gate/up interleave: the Triton SwiGLU form's output tile width
 PLAIN_BLOCK = 256  # the Triton plain form's output tile width where the output tiles in it (128 elsewhere)
-TRITON_PLAIN_LINEARS = ("qkv", "mlp_out")  # on the Triton plain form by default where both outputs tile in PLAIN_BLOCK
+# on the Triton plain form by default where all three outputs tile in PLAIN_BLOCK
+TRITON_PLAIN_LINEARS = ("qkv", "attn_out", "mlp_out")
 
 
 def plain_block_n(out_features: int) -> int:
@@ -195,10 +196,11 @@ FP8_GEMM_ENV = "TALKLOOP_FP8_GEMM"  # "auto" (the default) or "cublas": every FP
 def default_gemm_kernels(device: torch.device | None, widths: dict[str, int]) -> dict[str, str]:
     """Per block linear, the FP8 product's kernel, from the linears' output widths (`widths`: name -> out_features):
     on Hopper the Triton SwiGLU form for MLP-in where its gate and up halves tile (it measured faster than cuBLAS
-    plus the SwiGLU pass), and with it the plain form in 128x256 tiles for q/k/v and MLP-out where both outputs
-    tile in 256 columns (the 57b shard's step at tensor-parallel degree 3 measured 0.6-0.9 ms faster so, in five
-    runs on H200s timed in turns, where either one alone on it was slower; docs/benchmarks.md); cuBLAS for the rest
-    and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
+    plus the SwiGLU pass), and with it the plain form in 128x256 tiles for q/k/v, the out-projection and MLP-out
+    where all three outputs tile in 256 columns (the 57b shard's step at tensor-parallel degree 3 measured faster so
+    than with the out-projection on cuBLAS in the four runs on H200s since the Triton kernels launch with PDL, by
+    0.7-1.9 ms timed in turns, and q/k/v and MLP-out on it faster than on cuBLAS; docs/benchmarks.md); cuBLAS for
+    the rest and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
     choice = os.environ.get(FP8_GEMM_ENV, "auto")
     if choice not in ("auto", "cublas"):
         raise ValueError(f"{FP8_GEMM_ENV} must be auto or cublas, got {choice!r}")
