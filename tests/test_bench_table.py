@@ -167,8 +167,32 @@ def test_each_step_repeat_names_its_date_and_engine_code(tmp_path, monkeypatch):
     assert ("102.1 ms at 72.5 J a step (`step_57b_tp3_h200_repeat_2.json`; 2026-12-02, at the engine code of "
             "`step_57b_tp3_h200_2026-12-02.json`, before the Triton kernels launched with programmatic dependent launch)") in text
     (tmp_path / "step_57b_tp3_h200_repeat_3.json").write_text(json.dumps(step(98.57, 71.0, "2026-12-02")))
-    assert ("98.6 ms at 71.0 J a step (`step_57b_tp3_h200_repeat_3.json`; 2026-12-02, at the engine code of the step "
+    assert ("98.6 ms at 71.0 J a step (`step_57b_tp3_h200_repeat_3.json`; 2026-12-02, at the engine code of "
+            "`step_57b_tp3_h200_attn_out_cublas.json`, before the out-projection moved to the Triton FP8 GEMM)") in "\n".join(repeat_runs())
+    (tmp_path / "step_57b_tp3_h200_repeat_5.json").write_text(json.dumps(step(97.94, 70.1, "2026-12-03")))
+    assert ("97.9 ms at 70.1 J a step (`step_57b_tp3_h200_repeat_5.json`; 2026-12-03, at the engine code of the step "
             "above)") in "\n".join(repeat_runs())
+
+
+def test_the_run_before_the_out_projection_moved_to_triton_is_set_against_this_runs_flip(tmp_path, monkeypatch):
+    from bench_table import run_before_attn_out_triton
+
+    monkeypatch.setattr(bench_table, "RESULTS", tmp_path)
+    step = {"serving": {"step_ms": 98.23, "step_ms_with_attn_out_gemm_cublas": 99.4, "step_ms_with_attn_out_gemm_cublas_serving": 98.01}}
+    assert run_before_attn_out_triton(step) == []  # no earlier run to set it against
+    earlier = {"date": "2026-12-02", "serving": {"step_ms": 96.43, "step_ms_with_triton_gemms": 97.38,
+                                                 "step_ms_with_triton_gemms_serving": 98.09}}
+    (tmp_path / "step_57b_tp3_h200_attn_out_cublas.json").write_text(json.dumps(earlier))
+    text = "\n".join(run_before_attn_out_triton(step))
+    assert "96.4 ms per step, here 98.2" in text and "took 99.4 against 98.0 ms" in text
+    assert "97.4 against 98.1 ms (`step_57b_tp3_h200_attn_out_cublas.json`)." in text  # the only run at that code here
+    assert run_before_attn_out_triton({"serving": {"step_ms": 98.2}}) == []  # a run that did not flip the out-projection
+
+
+def test_part_energy_says_when_the_parts_alone_exceed_the_step():
+    parts = {"gemm": {"joules_per_call": 61.6, "us_per_call": 87600}, "attention": {"joules_per_call": 9.1, "us_per_call": 12900}}
+    assert "Together 70.7 J, more than the step's 70.0 J." in part_energy(parts, 70.0, 700)
+    assert "Together 70.7 J of the step's 72.0 J; the rest is the other kernels'." in part_energy(parts, 72.0, 700)
 
 
 def test_the_run_before_pdl_is_set_against_this_runs_step_without_pdl_timed_in_turns(tmp_path, monkeypatch):

@@ -257,7 +257,7 @@ def power_summary(name: str) -> str | None:
     power = [float(r[3].split()[0]) for r in busy]
     capped = sum(1 for r in busy if int(r[6].strip(), 16) & 0x4)  # clocks_event_reasons: SW power cap
     return (f"Clock and power through `bash tools/gpu_suite.sh step` (the two profiles, eager and graph-replayed, then "
-            f"a run of the step benchmark, in one call at the earlier commit of the profiles above; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
+            f"a run of the step benchmark, in one call, that of the profiles above; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
             f"{statistics.median(clock):.0f} MHz (min {min(clock):.0f}, max {float(busy[0][2].split()[0]):.0f}), power median "
             f"{statistics.median(power):.0f} W of a {busy[0][4].strip()} limit; the software power cap was holding the clock "
             f"down in {capped / len(busy):.0%} of these samples.")
@@ -331,7 +331,8 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
     if not prof:
         return []
     groups = [("FP8 GEMMs (cuBLAS, `torch._scaled_mm`)", lambda n: n.startswith("nvjet_sm90_qq")),
-              ("FP8 GEMM with SwiGLU in its epilogue (Triton, MLP-in)", lambda n: n == "_fp8_gemm_kernel"),
+              ("FP8 GEMMs on the Triton kernel (MLP-in with SwiGLU in its epilogue; the plain form where served)",
+               lambda n: n == "_fp8_gemm_kernel"),
               ("FP8 attention", lambda n: n in ("_attn_kernel", "_attn_ws_kernel")),
               ("fused block kernels (LayerNorm + quantise, SwiGLU + quantise, gated sum (+ the next LayerNorm), row quantise)",
                lambda n: n in ("_ln_mod_quant_kernel", "_qkv_norm_kernel", "_swiglu_quant_kernel", "_gated_sum_kernel",
@@ -642,12 +643,44 @@ def step_energy(step: dict) -> list[str]:
     return out + [""]
 
 
+# The FP8 GEMM kernels the step's profiles, timeline and clock log ran (tools/step_profile.py records no kernel choice)
+PROFILED_GEMM_KERNELS = {"qkv": "triton", "attn_out": "cublas", "mlp_in": "triton", "mlp_out": "triton"}
+
+
 # The engine code of a step repeat that did not run the code of the step above
 STEP_BEFORE_PDL = "step_57b_tp3_h200_2026-12-02.json"  # the step's run before its Triton kernels launched with PDL
+# the step's run before the attention's out-projection moved to the Triton FP8 GEMM
+STEP_BEFORE_ATTN_OUT_TRITON = "step_57b_tp3_h200_attn_out_cublas.json"
+_BEFORE_ATTN_OUT = f"at the engine code of `{STEP_BEFORE_ATTN_OUT_TRITON}`, before the out-projection moved to the Triton FP8 GEMM"
 STEP_REPEAT_CODE = {"step_57b_tp3_h200_repeat_1.json": f"at the engine code of `{STEP_BEFORE_GRAPH_SINK}`, before its graph "
                                                        "wrote the sink's keys",
                     "step_57b_tp3_h200_repeat_2.json": f"at the engine code of `{STEP_BEFORE_PDL}`, before the Triton kernels "
-                                                       "launched with programmatic dependent launch"}
+                                                       "launched with programmatic dependent launch",
+                    "step_57b_tp3_h200_repeat_3.json": _BEFORE_ATTN_OUT,
+                    "step_57b_tp3_h200_repeat_4.json": _BEFORE_ATTN_OUT + ", run after the step's two profiles in the same call"}
+# the runs with PDL and the out-projection on cuBLAS, each of which timed all four block linears on Triton in turns
+STEP_RUNS_ATTN_OUT_CUBLAS = (STEP_BEFORE_ATTN_OUT_TRITON, "step_57b_tp3_h200_repeat_3.json", "step_57b_tp3_h200_repeat_4.json")
+
+
+def run_before_attn_out_triton(step: dict, name: str = STEP_BEFORE_ATTN_OUT_TRITON) -> list[str]:
+    """The run of the step benchmark before the out-projection moved to the Triton FP8 GEMM (result `name`), beside this
+    run's own step with it on cuBLAS, timed in turns; and what the runs at that code measured for all four on Triton."""
+    earlier = load(name)
+    s = step["serving"]
+    if not earlier or "step_ms_with_attn_out_gemm_cublas" not in s:
+        return []
+    flips = [(n, r["serving"]) for n in STEP_RUNS_ATTN_OUT_CUBLAS if (r := load(n)) and "step_ms_with_triton_gemms" in r["serving"]]
+    line = (f"The run before the attention's out-projection moved to the Triton FP8 GEMM ({earlier.get('date', '?')}, result "
+            f"`docs/results/{name}`, in another session on a machine of the same kind): {ms(earlier['serving']['step_ms'])} ms "
+            f"per step, here {ms(s['step_ms'])}. In this run the out-projection on cuBLAS, timed in turns with the served step, "
+            f"took {ms(s['step_ms_with_attn_out_gemm_cublas'])} against {ms(s['step_ms_with_attn_out_gemm_cublas_serving'])} ms: "
+            "the rest of the difference between the two runs is the machine's.")
+    if flips:
+        line += (" The runs at that code (each on a machine started afresh) timed all four block linears on Triton in turns "
+                 "with the out-projection on cuBLAS: " + "; ".join(
+                     f"{ms(f['step_ms_with_triton_gemms'])} against {ms(f['step_ms_with_triton_gemms_serving'])} ms (`{n}`)"
+                     for n, f in flips) + ".")
+    return [line, ""]
 
 
 def run_before_pdl(step: dict, name: str = STEP_BEFORE_PDL) -> list[str]:
@@ -733,6 +766,13 @@ def earlier_step_run(step: dict, name: str) -> list[str]:
                "the two are not comparable part for part."), ""]
 
 
+# the step benchmark's FP8 GEMM flips, as the other degrees' sentence names them
+GEMM_FLIPS = (("step_ms_with_mlp_in_gemm_cublas", "MLP-in on cuBLAS"), ("step_ms_with_mlp_in_gemm_triton", "MLP-in on Triton"),
+              ("step_ms_with_qkv_mlp_out_gemms_cublas", "q/k/v and MLP-out on cuBLAS"),
+              ("step_ms_with_qkv_mlp_out_gemms_triton", "q/k/v and MLP-out on Triton"),
+              ("step_ms_with_attn_out_gemm_cublas", "the out-projection on cuBLAS"),
+              ("step_ms_with_attn_out_gemm_triton", "the out-projection on Triton"),
+              ("step_ms_with_triton_gemms", "all four on Triton"))
 LINEAR_NAMES = {"qkv": "q/k/v", "attn_out": "the attention's out-projection", "mlp_in": "MLP-in", "mlp_out": "MLP-out"}
 PLAIN_LINEARS = ("qkv", "attn_out", "mlp_out")  # the block linears with no SwiGLU form
 PART_NAMES = {"gemm": "GEMMs", "attention": "attention", "cache_upkeep": "cache upkeep"}
@@ -747,8 +787,10 @@ def part_energy(parts: dict, step_joules: float, limit_w: float) -> str:
                        for name, p in parts.items())
     total = sum(p["joules_per_call"] for p in parts.values())
     return (f"Each part of the breakdown alone, its step's worth replayed back to back for seconds so that the GPU "
-            f"sits at its power limit as the step does (`part_energy`): {listed}. Together {total:.1f} J of the step's "
-            f"{step_joules:.1f} J; the rest is the other kernels'. A back-to-back step of 100 ms may spend {budget:.0f} J "
+            f"sits at its power limit as the step does (`part_energy`): {listed}. "
+            + (f"Together {total:.1f} J of the step's {step_joules:.1f} J; the rest is the other kernels'. " if total <= step_joules
+               else f"Together {total:.1f} J, more than the step's {step_joules:.1f} J. ")
+            + f"A back-to-back step of 100 ms may spend {budget:.0f} J "
             f"at this limit: these parts alone take {100 * total / budget:.0f}% of that, the GEMMs "
             f"{100 * parts['gemm']['joules_per_call'] / budget:.0f}%.")
 
@@ -963,6 +1005,7 @@ def main() -> None:
         out += step_energy(step)
         out += host_share_before(step)
         out += run_before_pdl(step)
+        out += run_before_attn_out_triton(step)
         out += earlier_step_run(step, "step_57b_tp3_h200_2026-11-30.json")
         for key, setting, what in (("step_ms_with_branch_streams", "branch-streams on", "each block's MLP branch on a side stream"),
                                    ("step_ms_without_branch_streams", "branch-streams off", "each block's MLP branch in line"),
@@ -983,6 +1026,12 @@ def main() -> None:
             key = f"step_ms_with_qkv_mlp_out_gemms_{other}"
             if key in s:
                 out += [f"With {what} (`--qkv-mlp-out-gemm {other}`; same weights, same run): {ms(s[key])} ms per step, "
+                        f"{against(s, key)}.", ""]
+        for other, what in (("cublas", "the attention's out-projection on cuBLAS"),
+                            ("triton", "the attention's out-projection on the Triton FP8 GEMM")):
+            key = f"step_ms_with_attn_out_gemm_{other}"
+            if key in s:
+                out += [f"With {what} (`--attn-out-gemm {other}`; same weights, same run): {ms(s[key])} ms per step, "
                         f"{against(s, key)}.", ""]
         if "step_ms_with_triton_gemms" in s:
             out += [f"With all four block linears on the Triton FP8 GEMM (same run): {ms(s['step_ms_with_triton_gemms'])} ms "
@@ -1029,16 +1078,13 @@ def main() -> None:
         if served.get("exp2") == "e4m3_bits":  # the profiles below come from runs before the kernel served its codes
             from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS
 
-            profiled = {"gemm_kernels": {"mlp_in": "triton"}}  # the kernels the profiles below ran
+            profiled = {"gemm_kernels": PROFILED_GEMM_KERNELS}  # the kernels the profiles below ran
             same_gemms = kernels_in_words(s) == kernels_in_words(profiled)
-            out += ["The profile, the timeline and the clock log below come from runs of an earlier commit, whose step served "
-                    f"the warp-specialised attention with {ws_options(NEAREST_P_OPTIONS)} (the step above: "
-                    f"{ws_options(served)})"
-                    + ("; the GEMMs and the other kernels are as above" if same_gemms else
-                       f" and its FP8 GEMMs with {kernels_in_words(profiled)} (the step above: {kernels_in_words(s)}); the other "
-                       "kernels are as above")
-                    + ("; each kernel was launched once the one before it had ended (the step above: its Triton kernels with "
-                       "programmatic dependent launch)." if s.get("pdl") else "."), ""]
+            if not same_gemms:
+                out += ["The profile, the timeline and the clock log below come from one call at an earlier commit (its step "
+                        "benchmark's result: `docs/results/step_57b_tp3_h200_repeat_4.json`), whose step served its FP8 GEMMs "
+                        f"with {kernels_in_words(profiled)} (the step above: {kernels_in_words(s)}); the attention and the "
+                        "other kernels are as above.", ""]
         else:
             same_gemms = True
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"], s.get("gemm_ms") if same_gemms else None)
@@ -1067,6 +1113,12 @@ def main() -> None:
                        f"{ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | {ms(s['other_ms'])} | "
                        f"{ms(s.get('reset_step_ms', float('nan')))} | {s['peak_memory_gb']:.1f} | {ms(b['step_ms'])} |")
         out.append("")
+        flipped = [f"at degree {tp}, " + "; ".join(f"{what} {ms(r['serving'][key])} against {ms(r['serving'][key + '_serving'])} ms"
+                                                  for key, what in GEMM_FLIPS if key + "_serving" in r["serving"])
+                   for tp, r in others if any(key + "_serving" in r["serving"] for key, _ in GEMM_FLIPS)]
+        if flipped:
+            out += ["The FP8 GEMM kernels flipped in those runs (each against its served setting, timed in turns): "
+                    + "; and ".join(flipped) + ".", ""]
         now = {tp: kernels_in_words({"gemm_kernels": served_gemm_kernels(r["spec"], tp)}) for tp, r in others}
         older = [f"at degree {tp}, {now[tp]}" for tp, r in others
                  if "gemm_kernels" in r["serving"] and kernels_in_words(r["serving"]) != now[tp]]
