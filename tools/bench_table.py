@@ -1022,17 +1022,13 @@ def main() -> None:
             out += [f"With {described[other]} (`--mlp-in-gemm {other}`; above: {described[mlp_in_kernel]}; same weights, "
                     f"same run): {ms(s[f'step_ms_with_mlp_in_gemm_{other}'])} ms per step, "
                     f"{against(s, f'step_ms_with_mlp_in_gemm_{other}')}.", ""]
-        for other, what in (("cublas", "q/k/v and MLP-out on cuBLAS"), ("triton", "q/k/v and MLP-out on the Triton FP8 GEMM")):
-            key = f"step_ms_with_qkv_mlp_out_gemms_{other}"
-            if key in s:
-                out += [f"With {what} (`--qkv-mlp-out-gemm {other}`; same weights, same run): {ms(s[key])} ms per step, "
-                        f"{against(s, key)}.", ""]
-        for other, what in (("cublas", "the attention's out-projection on cuBLAS"),
-                            ("triton", "the attention's out-projection on the Triton FP8 GEMM")):
-            key = f"step_ms_with_attn_out_gemm_{other}"
-            if key in s:
-                out += [f"With {what} (`--attn-out-gemm {other}`; same weights, same run): {ms(s[key])} ms per step, "
-                        f"{against(s, key)}.", ""]
+        for label, flag, linears in (("qkv_mlp_out_gemms", "qkv-mlp-out-gemm", "q/k/v and MLP-out"),
+                                     ("attn_out_gemm", "attn-out-gemm", "the attention's out-projection")):
+            for other, where in (("cublas", "cuBLAS"), ("triton", "the Triton FP8 GEMM")):
+                key = f"step_ms_with_{label}_{other}"
+                if key in s:
+                    out += [f"With {linears} on {where} (`--{flag} {other}`; same weights, same run): {ms(s[key])} ms per "
+                            f"step, {against(s, key)}.", ""]
         if "step_ms_with_triton_gemms" in s:
             out += [f"With all four block linears on the Triton FP8 GEMM (same run): {ms(s['step_ms_with_triton_gemms'])} ms "
                     f"per step, {against(s, 'step_ms_with_triton_gemms')}.", ""]
@@ -1074,19 +1070,13 @@ def main() -> None:
                     f"{ms(no_ws['serving']['step_ms'])} ms per step (`docs/results/step_57b_tp3_h200_gemm_workspace_0.json`); "
                     f"with `CUBLASLT_WORKSPACE_SIZE=1024` (a 1 MiB workspace), {ms(ws['serving']['step_ms'])} ms "
                     "(`docs/results/step_57b_tp3_h200_gemm_workspace_1024.json`).", ""]
-        served = s.get("attention_kernel_options") or {}
-        if served.get("exp2") == "e4m3_bits":  # the profiles below come from runs before the kernel served its codes
-            from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS
-
-            profiled = {"gemm_kernels": PROFILED_GEMM_KERNELS}  # the kernels the profiles below ran
-            same_gemms = kernels_in_words(s) == kernels_in_words(profiled)
-            if not same_gemms:
-                out += ["The profile, the timeline and the clock log below come from one call at an earlier commit (its step "
-                        "benchmark's result: `docs/results/step_57b_tp3_h200_repeat_4.json`), whose step served its FP8 GEMMs "
-                        f"with {kernels_in_words(profiled)} (the step above: {kernels_in_words(s)}); the attention and the "
-                        "other kernels are as above.", ""]
-        else:
-            same_gemms = True
+        profiled = {"gemm_kernels": PROFILED_GEMM_KERNELS}  # the kernels the profiles below ran
+        same_gemms = kernels_in_words(s) == kernels_in_words(profiled)
+        if not same_gemms:
+            out += ["The profile, the timeline and the clock log below come from one call at an earlier commit (its step "
+                    "benchmark's result: `docs/results/step_57b_tp3_h200_repeat_4.json`), whose step served its FP8 GEMMs "
+                    f"with {kernels_in_words(profiled)} (the step above: {kernels_in_words(s)}); the attention and the "
+                    "other kernels are as above.", ""]
         out += step_profile(load("step_profile_57b_tp3_h200.json"), s["step_ms"], s.get("gemm_ms") if same_gemms else None)
         out += step_timeline(load("step_timeline_57b_tp3_h200.json"), step)
         power = power_summary("step_57b_tp3_h200_smi.csv")
@@ -1113,9 +1103,12 @@ def main() -> None:
                        f"{ms(s['attention_ms'])} | {ms(s['cache_upkeep_ms'])} | {ms(s['other_ms'])} | "
                        f"{ms(s.get('reset_step_ms', float('nan')))} | {s['peak_memory_gb']:.1f} | {ms(b['step_ms'])} |")
         out.append("")
-        flipped = [f"at degree {tp}, " + "; ".join(f"{what} {ms(r['serving'][key])} against {ms(r['serving'][key + '_serving'])} ms"
-                                                  for key, what in GEMM_FLIPS if key + "_serving" in r["serving"])
-                   for tp, r in others if any(key + "_serving" in r["serving"] for key, _ in GEMM_FLIPS)]
+        flipped = []
+        for tp, r in others:
+            timed = [f"{what} {ms(r['serving'][key])} against {ms(r['serving'][key + '_serving'])} ms"
+                     for key, what in GEMM_FLIPS if key + "_serving" in r["serving"]]
+            if timed:
+                flipped.append(f"at degree {tp}, " + "; ".join(timed))
         if flipped:
             out += ["The FP8 GEMM kernels flipped in those runs (each against its served setting, timed in turns): "
                     + "; and ".join(flipped) + ".", ""]

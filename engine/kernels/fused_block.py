@@ -272,8 +272,9 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     103.74 against 102.53 ms, in turns), and the gated residual sum in the out-projections' epilogues gained nothing
     (103.77 against 103.66), so the sum stays on its own kernel. Where q/k/v and MLP-out run on the Triton GEMM
     in 128x256 tiles the step measured 0.6-0.9 ms faster, and with the out-projection on it too (FP8Linear's default
-    on Hopper where the three outputs tile in 256 columns) another 0.7-1.9 ms, once the Triton kernels launched with PDL; MLP-out's GEMM adding x + gate_mlp * its product in its epilogue, so that the sum here
-    read two tensors rather than three, made it 0.4 ms slower again (one run on an H200: 101.14 against 100.72 ms,
+    on Hopper where the three outputs tile in 256 columns) another 0.7-1.9 ms, once the Triton kernels launched with
+    PDL; MLP-out's GEMM adding x + gate_mlp * its product in its epilogue, so that the sum here read two tensors
+    rather than three, made it 0.4 ms slower again (one run on an H200: 101.14 against 100.72 ms,
     in turns)."""
     # Taking the table inside the two kernels that read it measured slower (more registers, more loads).
     shared, index = block.fused_pass
