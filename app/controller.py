@@ -19,6 +19,8 @@ from engine.sessions import default_log
 
 log = logging.getLogger(__name__)
 
+RECENT_SYNC_REPORTS = 5  # the browser's sync reports (one a second) that health's figure is the median of
+
 
 def load_voice_models(config: AppConfig) -> VoiceModels:
     """ASR, TTS and the agent; ValueError naming what is missing."""
@@ -165,10 +167,12 @@ class Controller:
             stats = shown.stats if shown.stats is not None else shown.character.stats()
             out.update(state="live" if shown is self.live else ("failed" if shown.failure else "stopped"),
                        step_ms_p50=round(stats.get("step_ms_p50", 0.0), 1), step_ms_p95=round(stats.get("step_ms_p95", 0.0), 1),
-                       fps=round(stats.get("fps", 0.0), 1), buffer_depth=stats.get("buffer_depth"), lead=stats.get("lead"),
+                       fps=round(stats.get("fps", 0.0), 1), fps_recent=round(stats.get("fps_recent", 0.0), 1),
+                       buffer_depth=stats.get("buffer_depth"), lead=stats.get("lead"),
                        underruns=stats.get("underruns"), steps=stats.get("steps"))
-            offsets = sorted(shown.av_offsets_ms)
-            if offsets and out["fps"] < 0.95 * shown.character.spec.fps:
+            # The browser reports once a second: the latest reports span the playout's recent window (5 s).
+            offsets = sorted(list(shown.av_offsets_ms)[-RECENT_SYNC_REPORTS:])
+            if offsets and out["fps_recent"] < 0.95 * shown.character.spec.fps:
                 # Below real time the stream stalls between bursts and the browser's playout
                 # estimates for the two tracks stop being comparable: no figure beats a wrong one.
                 out["av_offset_ms"] = "n/a (engine below real time)"

@@ -23,8 +23,10 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+RECENT_FRAMES = 120
 
 
 @dataclass
@@ -34,6 +36,9 @@ class PlayoutStats:
     depth: int = 0
     first_release: float | None = None
     last_release: float | None = None
+    # Release times of the latest frames (5 s at 24 fps): whether playback keeps up now, which an
+    # average since the first frame (slow warm-up steps included) answers only late.
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_FRAMES))
 
     def fps(self, now: float | None = None) -> float:
         """Average release rate since the first frame played."""
@@ -42,6 +47,14 @@ class PlayoutStats:
         end = now if now is not None else self.last_release
         span = end - self.first_release
         return (self.released - 1) / span if span > 0 else 0.0
+
+    def recent_fps(self, now: float, period: float) -> float:
+        """Release rate over the latest frames, up to `now`: a stall still going on counts (`period`: the
+        time one frame stands on screen)."""
+        if len(self.recent) < 2:
+            return 0.0
+        span = max(now, self.recent[-1] + period) - self.recent[0]
+        return len(self.recent) / span
 
 
 class PlayoutBuffer:
@@ -118,6 +131,7 @@ class PlayoutBuffer:
                 if self.stats.first_release is None:
                     self.stats.first_release = self.next_due
                 self.stats.last_release = self.next_due
+                self.stats.recent.append(self.next_due)
                 self.stats.released += 1
                 self.next_due += self.period
             if self.next_due is None and len(self.frames) >= self.prebuffer:

@@ -352,6 +352,7 @@ class RealtimeCharacter:
             "step_ms_p50": pick(0.5),
             "step_ms_p95": pick(0.95),
             "fps": self.playout.stats.fps(),
+            "fps_recent": self.playout.stats.recent_fps(self.playout.clock(), self.playout.period),
             "underruns": self.playout.stats.underruns,
             "buffer_depth": self.playout.stats.depth,
             "lead": self.playout.lead,

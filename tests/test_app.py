@@ -531,11 +531,12 @@ def test_av_offset_is_withheld_while_the_engine_is_below_real_time(tmp_path):
         controller.start()
         controller.stop()
         shown = controller.shown()
-        shown.av_offsets_ms.extend([-201325.0, 5.0, 7.0])  # a stalled stream's estimates are not comparable
-        shown.stats = {**(shown.stats or {}), "fps": 2.1}
+        # A stalled stream's estimates are not comparable; the figure is the median of the latest five reports.
+        shown.av_offsets_ms.extend([-201325.0, 900.0, 900.0, 900.0, 5.0, 7.0, 6.0, 8.0, 9.0])
+        shown.stats = {**(shown.stats or {}), "fps": 24.0, "fps_recent": 2.1}  # stalling now
         assert controller.health()["av_offset_ms"] == "n/a (engine below real time)"
-        shown.stats["fps"] = 24.0
-        assert controller.health()["av_offset_ms"] == 5
+        shown.stats.update(fps=20.0, fps_recent=24.0)  # a slow start, real time now
+        assert controller.health()["av_offset_ms"] == 7
     finally:
         controller.close()
 

@@ -23,7 +23,7 @@ from playwright.sync_api import sync_playwright  # noqa: E402
 
 from app.browser import conversation_wav, launch_chromium, start_in_browser, start_server, stop_server  # noqa: E402
 from app.config import build_config  # noqa: E402
-from app.controller import Controller  # noqa: E402
+from app.controller import RECENT_SYNC_REPORTS, Controller  # noqa: E402
 from app.latency import STAGES  # noqa: E402
 from app.probe import probe_streams  # noqa: E402
 from app.recorder import list_recordings  # noqa: E402
@@ -87,9 +87,15 @@ def test_one_turn_in_the_browser(app):
         assert after - before > 0.5, (before, after)
 
         # Picture and voice are scheduled together: the browser's playout estimates agree within a few frames.
-        wait_for(lambda: len(controller.live.av_offsets_ms) >= 3, 30, "the browser's audio/video sync reports")
+        # On two CPU cores the turn's speech recognition and synthesis can hold the engine below real time for a
+        # while; the estimate counts once playback has kept up for the last few seconds.
+        try:
+            wait_for(lambda: len(controller.live.av_offsets_ms) >= RECENT_SYNC_REPORTS
+                     and isinstance(controller.health().get("av_offset_ms"), (int, float)), 30,
+                     "a sync estimate at real time")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; health: {controller.health()}") from None
         health = controller.health()
-        assert isinstance(health["av_offset_ms"], (int, float)), f"no sync estimate: {health}"  # engine below real time
         assert abs(health["av_offset_ms"]) <= 125, list(controller.live.av_offsets_ms)
 
         # The voice arrives whole: packets the browser discards (duplicates of one RTP timestamp) are concealed
@@ -229,9 +235,9 @@ def test_hls_fallback_plays_and_answers(tmp_path):
             transcript = page.locator("#tl-transcript")
             wait_for(lambda: re.search(r"name", transcript.inner_text(), re.I), 90, "the user's words in the transcript")
             wait_for(lambda: "Ada" in transcript.inner_text(), 60, "the character's reply in the transcript")
+            # Segment by segment: on two loaded CPU cores the player may wait a moment for the next one.
             before = page.evaluate(video_time)
-            time.sleep(1.5)
-            assert page.evaluate(video_time) - before > 0.5
+            wait_for(lambda: page.evaluate(video_time) - before > 0.5, 10, "the streamed video to keep playing")
             page.click("#tl-stop")
             wait_for(lambda: controller.live is None, 30, "the session to stop")
             browser.close()

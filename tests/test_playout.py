@@ -49,6 +49,16 @@ def test_a_slow_engine_underruns_every_few_steps():
     assert buf.stats.fps() < FPS
 
 
+def test_the_recent_rate_forgets_a_slow_start_and_sees_a_stall_still_going_on():
+    warmed_up = simulate([400.0] * 5 + [150.0] * 60, tail_ms=0)  # slow first steps, then real time
+    assert warmed_up.stats.underruns >= 1 and warmed_up.stats.fps() < 0.95 * FPS
+    assert warmed_up.stats.recent_fps(warmed_up.clock(), warmed_up.period) == pytest.approx(FPS, rel=1e-6)
+    stalled = simulate([150.0] * 60 + [2000.0], tail_ms=0)  # real time, then a 2 s step not yet done
+    assert stalled.stats.fps() == pytest.approx(FPS, rel=1e-6)  # the average still says real time
+    assert stalled.stats.recent_fps(stalled.clock(), stalled.period) < 0.9 * FPS
+    assert PlayoutBuffer(FPS).stats.recent_fps(0.0, 1 / FPS) == 0.0  # nothing played yet
+
+
 def test_frames_leave_in_order_and_barge_in_rewrites_waiting_ones():
     now = [0.0]
     buf = PlayoutBuffer(FPS, prebuffer=2, max_lead=8, clock=lambda: now[0])
