@@ -87,16 +87,17 @@ def test_one_turn_in_the_browser(app):
         assert after - before > 0.5, (before, after)
 
         # Picture and voice are scheduled together: the browser's playout estimates agree within a few frames.
-        # On two CPU cores the turn's speech recognition and synthesis can hold the engine below real time for a
-        # while; the estimate counts once playback has kept up for the last few seconds.
+        # On two loaded CPU cores the turn's speech recognition and synthesis can hold the engine below real time
+        # for a while, and the browser's estimates can swing by hundreds of ms (seen: -347 to +235 ms within five
+        # reports): the median of the latest reports must settle within 3 frames at real time.
+        def settled() -> bool:
+            offset = controller.health().get("av_offset_ms")
+            return (len(controller.live.av_offsets_ms) >= RECENT_SYNC_REPORTS
+                    and isinstance(offset, (int, float)) and abs(offset) <= 125)
         try:
-            wait_for(lambda: len(controller.live.av_offsets_ms) >= RECENT_SYNC_REPORTS
-                     and isinstance(controller.health().get("av_offset_ms"), (int, float)), 30,
-                     "a sync estimate at real time")
+            wait_for(settled, 45, "the sync estimate at real time to settle within 125 ms")
         except AssertionError as e:
-            raise AssertionError(f"{e}; health: {controller.health()}") from None
-        health = controller.health()
-        assert abs(health["av_offset_ms"]) <= 125, list(controller.live.av_offsets_ms)
+            raise AssertionError(f"{e}; health: {controller.health()}; reports: {list(controller.live.av_offsets_ms)}") from None
 
         # The voice arrives whole: packets the browser discards (duplicates of one RTP timestamp) are concealed
         # as gaps in the speech.
