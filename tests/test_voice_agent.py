@@ -1,4 +1,3 @@
-import datetime as dt
 import json
 import threading
 import time
@@ -6,57 +5,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from voice.agent import OpenAIChatAgent, PersonaAgent, ReplyAgent, extract_topic, without_thinking
-
-FIXED_NOW = dt.datetime(2024, 5, 6, 15, 5)  # a Monday afternoon
-
-
-@pytest.fixture
-def persona() -> PersonaAgent:
-    return PersonaAgent(name="Joe", clock=lambda: FIXED_NOW)
+from voice.agent import OpenAIChatAgent, ReplyAgent, without_thinking
+from voice.personas import PERSONAS, Persona, persona_for, system_prompt
 
 
-def reply(agent, text: str) -> str:
-    return "".join(agent.stream_reply(text)).strip()
-
-
-def test_persona_implements_the_agent_interface(persona):
-    assert isinstance(persona, ReplyAgent)
+def test_the_openai_client_implements_the_agent_interface():
     assert isinstance(OpenAIChatAgent(), ReplyAgent)
 
 
-@pytest.mark.parametrize(
-    "said, expected",
-    [
-        ("Hello there.", "Hi there!"),
-        ("Good morning!", "Hi there!"),
-        ("What is your name?", "I'm Joe."),
-        ("Who are you?", "I'm Joe."),
-        ("What time is it?", "It's 3:05 in the afternoon."),
-        ("What day is it today?", "Today is Monday."),
-        ("How are you doing?", "I'm doing great"),
-        ("Thank you so much.", "You're welcome!"),
-        ("Okay, goodbye.", "Goodbye!"),
-        ("Tell me a joke.", "?"),
-        ("", "Sorry, I didn't catch that."),
-    ],
-)
-def test_persona_answers_common_conversation(persona, said, expected):
-    assert expected in reply(persona, said)
+def test_every_character_preset_has_a_persona_and_a_prompt_in_its_name():
+    from engine.character import PRESETS
 
-
-def test_persona_echoes_the_topic_from_the_listeners_side(persona):
-    assert "your holiday plans" in reply(persona, "I want to talk about my holiday plans.").lower()
-    assert "the capital of France" in reply(persona, "What is the capital of France?")
-    assert extract_topic("Tell me about the moon and the stars") == "the moon and the stars"
-
-
-def test_persona_streams_a_short_first_sentence_at_once(persona):
-    for said in ("Hello", "What is your name?", "Tell me about volcanoes", "Why is the sky blue?", "I like trains"):
-        started = time.perf_counter()
-        first = next(iter(persona.stream_reply(said)))
-        assert time.perf_counter() - started < 0.05
-        assert first.endswith(" ") and len(first.split()) <= 6
+    assert set(PERSONAS) == set(PRESETS)
+    for preset in PRESETS:
+        persona = persona_for(preset)
+        prompt = system_prompt(persona)
+        assert prompt.startswith(f"You are {persona.name}, {persona.personality}.")
+        assert "{" not in prompt and "no lists" not in prompt.lower()  # filled in; the rule is "Never use lists"
+    assert persona_for("ada", "Zoe") == Persona("Zoe", PERSONAS["ada"].personality)
 
 
 class FakeChatServer:
@@ -132,7 +98,8 @@ def server():
 
 
 def test_client_streams_deltas_and_sends_a_proper_request(server):
-    agent = OpenAIChatAgent(base_url=server.url, model="tiny-llm", system_prompt="You are {name}, be brief.", name="Ada", api_key="sk-test")
+    agent = OpenAIChatAgent(base_url=server.url, model="tiny-llm", system_prompt="You are {name}, be brief.",
+                            persona=persona_for("ada"), api_key="sk-test")
     chunks = list(agent.stream_reply("Hi!"))
     assert chunks == ["Hello", " there", "! How", " can I help?"]
     request = server.requests[0]
@@ -185,8 +152,18 @@ def test_client_errors_are_clear(server):
 
 def test_system_prompt_braces_other_than_name_are_kept(server):
     prompt = 'You are {name}. Never write JSON such as {"say": "hi"} or {0}.'
-    agent = OpenAIChatAgent(base_url=server.url, system_prompt=prompt, name="Ada", api_key="")
+    agent = OpenAIChatAgent(base_url=server.url, system_prompt=prompt, persona=persona_for("ada"), api_key="")
     assert agent.system_prompt == 'You are Ada. Never write JSON such as {"say": "hi"} or {0}.'
+    assert agent.for_persona(persona_for("kofi")).system_prompt.startswith("You are Kofi.")
+
+
+def test_a_cancelled_reply_reads_no_further(server):
+    server.deltas = [f" word{i}" for i in range(50)]
+    cancelled = threading.Event()
+    stream = OpenAIChatAgent(base_url=server.url, api_key="").stream_reply("Talk a lot.", cancelled=cancelled)
+    assert next(stream) == " word0"
+    cancelled.set()
+    assert list(stream) == []
 
 
 def _sse(*lines: str) -> tuple[str, bytes]:

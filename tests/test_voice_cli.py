@@ -53,13 +53,13 @@ def write_stereo_44k(path: Path, mono16k: np.ndarray) -> Path:
 
 
 def test_one_offline_turn_from_a_wav(tmp_path):
-    wav = write_stereo_44k(tmp_path / "question.wav", with_silence(sample_speech("What time is it right now?"), 0.3, 0.3))
+    wav = write_stereo_44k(tmp_path / "question.wav", with_silence(sample_speech("What is the capital of France?"), 0.3, 0.3))
     out = tmp_path / "reply.wav"
     done = run_offline(tmp_path, "voice", "--wav", str(wav), "--json", "--fast", "--out", str(out))
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert "time" in result["transcript"].lower()
-    assert result["reply"].startswith("It's ")
+    assert "capital of france" in result["transcript"].lower()
+    assert "paris" in result["reply"].lower()  # the local language model, with every network connection refused
     assert result["reply_audio"] == str(out)
     samples, rate = read_wav(out)
     assert rate == result["sample_rate"] == 16000
@@ -117,7 +117,7 @@ def test_bench_reports_stage_latencies(tmp_path):
     for stage in ("end_of_turn_delay", "stt", "llm_ttft", "tts_ttfb", "e2e_latency"):
         assert report["stages_s"][stage]["n"] == 1
         assert report["stages_s"][stage]["median"] == report["stages_s"][stage]["p95"] >= 0
-    assert report["target"]["limit_s"] == 1.0 and isinstance(report["target"]["met"], bool)
+    assert report["target"]["limit_s"] == 1.3 and isinstance(report["target"]["met"], bool)
 
 
 def loop_parser() -> argparse.ArgumentParser:
@@ -143,11 +143,11 @@ def test_loop_options_that_could_never_work_are_refused_naming_the_flag(flags, m
 
 
 def test_chat_options_reach_the_agent():
-    args = loop_parser().parse_args(["--agent", "openai", "--chat-timeout", "4.5", "--think-opened", "--name", "Ada",
+    args = loop_parser().parse_args(["--agent", "openai", "--chat-timeout", "4.5", "--think-opened", "--preset", "kofi",
                                      "--system-prompt", 'I am {name}; answer {"like": "this"}'])
     agent = build_agent(args)
     assert (agent.timeout_s, agent.think_opened) == (4.5, True)
-    assert agent.system_prompt == 'I am Ada; answer {"like": "this"}'
+    assert agent.system_prompt == 'I am Kofi; answer {"like": "this"}'
     assert loop_parser().parse_args([]).chat_timeout == 30.0
 
 

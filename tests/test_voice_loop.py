@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import run_script
-from voice.agent import PersonaAgent
 from voice.asr import WhisperASR
 from voice.audio import SAMPLE_RATE, resample
 from voice.loop import AudioSink, LoopEvent, VoiceLoop, VoiceLoopConfig, _AudioHistory, feed_audio
 from voice.samples import sample_speech, with_silence
+from voice.spoken import integer_words
 from voice.trace import read_jsonl
 from voice.tts import PiperTTS
 
@@ -45,24 +45,27 @@ class FakeEngineSink:
 
 
 class ScriptedAgent:
-    """Replies from a script, one entry per turn; an Exception entry is raised."""
+    """Replies from a script, one entry per turn (then `default`); an Exception entry is raised."""
 
-    def __init__(self, *replies) -> None:
+    def __init__(self, *replies, default=("Okay.",)) -> None:
         self.replies = list(replies)
+        self.default = list(default)
         self.heard: list[str] = []
         self.histories: list[list[tuple[str, str]]] = []
+        self.cancel_events: list = []
 
-    def stream_reply(self, user_text: str, history=()) -> Iterator[str]:
+    def stream_reply(self, user_text: str, history=(), cancelled=None) -> Iterator[str]:
         self.heard.append(user_text)
         self.histories.append(list(history))
-        reply = self.replies.pop(0) if self.replies else "Okay."
+        self.cancel_events.append(cancelled)
+        reply = self.replies.pop(0) if self.replies else self.default
         if isinstance(reply, Exception):
             raise reply
         for sentence in reply:
             yield sentence + " "
 
 
-LONG_REPLY = [f"This is sentence number {n} of a long story about a lighthouse by the sea." for n in range(1, 13)]
+LONG_REPLY = [f"This is sentence number {integer_words(n)} of a long story about a lighthouse by the sea." for n in range(1, 13)]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,8 @@ def models():
 def make_loop(models, sink, agent=None, events=None, **config) -> VoiceLoop:
     asr, tts = models
     on_event = events.append if events is not None else None
-    return VoiceLoop(sink, agent=agent or PersonaAgent(), asr=asr, tts=tts, config=VoiceLoopConfig(**config), on_event=on_event)
+    agent = agent or ScriptedAgent(default=["I'm Joe.", "I'm an animated character running right here on your computer."])
+    return VoiceLoop(sink, agent=agent, asr=asr, tts=tts, config=VoiceLoopConfig(**config), on_event=on_event)
 
 
 def wait_for(predicate, timeout: float = 20.0) -> bool:
@@ -159,6 +163,8 @@ def test_barge_in_stops_playback_and_the_loop_listens(models):
     assert later_pushes and all(p[1] >= second.stamps["tts_first_audio"] for p in later_pushes)
     assert first.info["status"] == "interrupted" and "barge_in" in first.stamps
     assert "barge_in" in kinds(events)
+    # the agent was told: a local model stops generating at once
+    assert agent.cancel_events[0].is_set()
     assert "wait" in agent.heard[1].lower()
     assert second.info["status"] == "completed"
     # The agent remembers the story only as far as it was spoken.
@@ -169,6 +175,18 @@ def test_barge_in_stops_playback_and_the_loop_listens(models):
     # The cut-short reply is reported with what of it was spoken, for the transcript and its recording.
     assert text_of(events, "agent_interrupted") == [spoken]
     assert text_of(events, "agent_done") == ["Sure, I'm listening."]
+
+
+def test_a_written_reply_is_said_as_sentences_without_markup_or_figures(models):
+    """A model's list, markdown, emoji and figures reach neither speech synthesis nor the transcript as written."""
+    sink, events = FakeEngineSink(), []
+    agent = ScriptedAgent(["Here is how:\n1. Boil **water** for 3 min\n2. Add 2 tea bags 🍵\n"])
+    with make_loop(models, sink, agent=agent, events=events) as loop:
+        feed_audio(loop, question("How do I make tea?"), real_time=False)
+        assert loop.wait_idle(30)
+    assert text_of(events, "agent_done") == ["Here is how. Boil water for three minutes. Add two tea bags."]
+    assert "".join(text_of(events, "agent_text")).strip() == "Here is how. Boil water for three minutes. Add two tea bags."
+    assert sink.pushes()
 
 
 def test_barge_in_while_a_finished_reply_plays_cuts_it_back_to_what_was_heard(models, tmp_path):

@@ -1,8 +1,9 @@
-"""Voice agent loop: VAD -> speech recognition -> reply agent -> text to speech, with
+"""Voice agent loop: VAD -> speech recognition -> reply agent (a local language model) -> text to speech, with
 barge-in and per-turn latency traces. Offline: every model comes from a PyPI package."""
 
-from .agent import OpenAIChatAgent, PersonaAgent, ReplyAgent
+from .agent import OpenAIChatAgent, ReplyAgent
 from .asr import WhisperASR
+from .llm import LocalLLM, LocalLLMAgent
 from .loop import AudioSink, LoopEvent, RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
 from .trace import SessionTrace, TurnTrace
 from .tts import PiperTTS
@@ -12,7 +13,8 @@ __all__ = [
     "AudioSink",
     "LoopEvent",
     "OpenAIChatAgent",
-    "PersonaAgent",
+    "LocalLLM",
+    "LocalLLMAgent",
     "PiperTTS",
     "RecordingSink",
     "ReplyAgent",

@@ -1,6 +1,7 @@
-"""One offline voice turn from a WAV file.
+"""One offline voice turn from a WAV file, or from a question spoken for you.
 
     python -m voice --wav question.wav --json
+    python -m voice --say "What is the capital of France?" --json
 
 The WAV goes through the same VoiceLoop as live audio, in 32 ms chunks at
 wall-clock pace (--fast feeds it as quickly as possible; then the silence wait
@@ -22,6 +23,7 @@ import numpy as np
 from .audio import SAMPLE_RATE, load_wav_16k, write_wav
 from .loop import RecordingSink, feed_audio
 from .options import EXIT_INTERRUPTED, add_loop_args, build_loop, report_failure
+from .samples import sample_speech, with_silence
 
 
 class NoSpeechError(ValueError):
@@ -29,9 +31,16 @@ class NoSpeechError(ValueError):
 
 
 def run_wav_turn(args: argparse.Namespace) -> dict[str, Any]:
-    audio = load_wav_16k(args.wav)
+    if args.say is not None:
+        if not args.say.strip():
+            raise ValueError("--say needs words to say")
+        # espeak-ng when installed (a voice unlike the reply's), else the Piper voice
+        audio = with_silence(sample_speech(args.say), before_s=0.3, after_s=0.0)
+    else:
+        audio = load_wav_16k(args.wav)
+    source = "spoken: " + args.say if args.say is not None else str(args.wav)
     if float(np.max(np.abs(audio))) == 0.0:
-        raise NoSpeechError(f"{args.wav} is all silence (every sample is zero)")
+        raise NoSpeechError(f"{source} is all silence (every sample is zero)")
     sink = RecordingSink()
     loop = build_loop(args, sink)
     try:
@@ -43,10 +52,10 @@ def run_wav_turn(args: argparse.Namespace) -> dict[str, Any]:
         if not loop.wait_idle(timeout=args.timeout):
             raise RuntimeError(f"no reply within {args.timeout:.0f} s")
         if not loop.trace.turns:
-            raise NoSpeechError(f"no speech detected in {args.wav}")
+            raise NoSpeechError(f"no speech detected in {source}")
         answered = [t for t in loop.trace.turns if t.info.get("user_text")]
         if not answered:
-            raise NoSpeechError(f"speech-like sound in {args.wav} but no words were recognised")
+            raise NoSpeechError(f"speech-like sound in {source} but no words were recognised")
         turn = answered[-1]
         if turn.info.get("status") == "error":
             raise RuntimeError(turn.info.get("error", "the reply failed"))
@@ -55,7 +64,7 @@ def run_wav_turn(args: argparse.Namespace) -> dict[str, Any]:
         out = reply_path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="talkloop-voice-")) / "reply.wav"
         write_wav(out, reply_audio, args.sample_rate)
         return {
-            "input": str(args.wav),
+            "input": source,
             "input_seconds": round(audio.shape[0] / SAMPLE_RATE, 3),
             "feed": "real_time_32ms_chunks" if real_time else "fast_32ms_chunks",
             "transcript": turn.info.get("user_text", ""),
@@ -85,7 +94,9 @@ def reply_path(out: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m voice", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--wav", required=True, help="the question, a WAV file (any rate, mono or stereo)")
+    question = parser.add_mutually_exclusive_group(required=True)
+    question.add_argument("--wav", help="the question, a WAV file (any rate, mono or stereo)")
+    question.add_argument("--say", help="the question as text, spoken for you (espeak-ng if installed, else the Piper voice)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", default=None, help="reply WAV path, or a directory for reply.wav (default: a temp dir)")
     parser.add_argument("--fast", action="store_true", help="feed faster than real time")

@@ -3,32 +3,27 @@
 An agent turns the user's final transcript into reply text, streamed as chunks
 so speech synthesis can start on the first sentence while the rest is coming.
 The conversation so far is passed in by the caller (the voice loop records what
-was actually spoken, so a reply cut off by barge-in is remembered as cut off),
-which keeps agents free of state.
-`PersonaAgent` is the offline default (rules and templates, answers at once);
+was actually spoken, so a reply cut off by barge-in is remembered as cut off).
+`cancelled` is set by a barge-in or Stop: the agent stops generating at once.
+The default is `llm.LocalLLMAgent` (a small instruct model in process);
 `OpenAIChatAgent` talks to any OpenAI-compatible /v1/chat/completions endpoint
-(llama.cpp server, Ollama, vLLM, ...) with streaming server-sent events.
+(llama.cpp server, Ollama, vLLM, ...) with streaming server-sent events, for
+bigger models a user serves.
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
-import random
-import re
+import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from http.client import HTTPResponse
 from typing import Protocol, runtime_checkable
 
-DEFAULT_NAME = "Joe"
-DEFAULT_SYSTEM_PROMPT = (
-    "You are {name}, a friendly animated character having a spoken conversation. "
-    "Answer in one to three short sentences that sound natural when read aloud. "
-    "Put a short first sentence first. No lists, no markdown, no emoji."
-)
+from .personas import DEFAULT_PERSONA, Persona
+from .personas import system_prompt as persona_prompt
 
 
 # One exchange of the conversation: (what the user said, what the character said).
@@ -37,106 +32,11 @@ Exchange = tuple[str, str]
 
 @runtime_checkable
 class ReplyAgent(Protocol):
-    def stream_reply(self, user_text: str, history: Sequence[Exchange] = ()) -> Iterator[str]:
-        """Yield the reply to user_text as text chunks; closing the iterator abandons it."""
+    def stream_reply(self, user_text: str, history: Sequence[Exchange] = (),
+                     cancelled: threading.Event | None = None) -> Iterator[str]:
+        """Yield the reply to user_text as text chunks; once `cancelled` is set (or the iterator is closed) no
+        more is generated."""
         ...
-
-
-# --- offline persona -------------------------------------------------------------------------
-
-_PRONOUN_SWAP = {
-    "i": "you", "me": "you", "my": "your", "mine": "yours", "myself": "yourself",
-    "am": "are", "i'm": "you're", "i've": "you've", "i'll": "you'll", "i'd": "you'd",
-    "you": "I", "your": "my", "yours": "mine", "yourself": "myself",
-    "you're": "I'm", "you've": "I've", "you'll": "I'll",
-}
-_TOPIC_LEADS = re.compile(
-    r"^(?:(?:so|well|okay|ok|hey|um|uh|and|but|please|can you|could you|would you|will you)\s+)*"
-    r"(?:tell me (?:about|something about)|talk about|what do you (?:think|know) (?:about|of)|"
-    r"do you (?:know|like) (?:about )?|have you heard (?:of|about)|what is|what's|what are|who is|who's|"
-    r"who are|where is|where's|how does|how do|why is|why do|why does|explain|describe|let's talk about|"
-    r"i want to talk about|i'd like to talk about)\s+",
-    re.IGNORECASE,
-)
-_JOKES = (
-    ["Why did the computer go to the doctor?", "It had a virus!"],
-    ["Why do programmers prefer dark mode?", "Because light attracts bugs."],
-    ["What do you call a sleeping robot?", "A bot nap."],
-)
-
-
-def _words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9']+", text.lower())
-
-
-def _swap_pronouns(text: str) -> str:
-    return " ".join(_PRONOUN_SWAP.get(w.lower(), w) for w in text.split())
-
-
-def extract_topic(text: str, max_words: int = 6) -> str:
-    """The gist of what was said, from the listener's side ('my dog' -> 'your dog')."""
-    cleaned = re.sub(r"[^\w\s']", " ", text).strip()
-    cleaned = _TOPIC_LEADS.sub("", cleaned)
-    words = cleaned.split()[:max_words]
-    return _swap_pronouns(" ".join(words))
-
-
-class PersonaAgent:
-    """A built-in character that answers common conversation at once, without a model.
-
-    Replies are short, with a short first sentence so the first audio is early.
-    `clock` is injectable so tests can pin the time.
-    """
-
-    def __init__(self, name: str = DEFAULT_NAME, clock: Callable[[], _dt.datetime] = _dt.datetime.now, seed: int = 0) -> None:
-        self.name = name
-        self.clock = clock
-        self._rng = random.Random(seed)
-
-    def stream_reply(self, user_text: str, history: Sequence[Exchange] = ()) -> Iterator[str]:
-        for sentence in self.reply_sentences(user_text):
-            yield sentence + " "
-
-    def reply_sentences(self, user_text: str) -> list[str]:
-        text = " ".join(user_text.split())
-        words = _words(text)
-        joined = " ".join(words)
-        has = lambda *keys: any(re.search(rf"\b{k}\b", joined) for k in keys)  # noqa: E731
-        if not words:
-            return ["Sorry, I didn't catch that.", "Could you say it again?"]
-        if has("bye", "goodbye", "good night", "see you", "talk to you later"):
-            return ["Goodbye!", "It was nice talking with you."]
-        if has("thanks", "thank you", "cheers"):
-            return ["You're welcome!", "Anything else on your mind?"]
-        if has("what time", "the time", "time is it"):
-            now = self.clock()
-            return [f"It's {now.strftime('%I:%M').lstrip('0')} {'in the morning' if now.hour < 12 else 'in the afternoon' if now.hour < 18 else 'in the evening'}."]
-        if has("what day", "the date", "today's date", "what's the date", "which day"):
-            now = self.clock()
-            return [f"Today is {now.strftime('%A')}.", f"It's {now.strftime('%B')} {now.day}."]
-        if has("your name", "who are you", "what are you", "introduce yourself"):
-            return [f"I'm {self.name}.", "I'm an animated character running right here on your computer, and I love a good chat."]
-        if has("how are you", "how are you doing", "how's it going", "how do you feel", "how you doing"):
-            return ["I'm doing great, thanks!", "How about you?"]
-        if has("what can you do", "can you help", "help me"):
-            return ["I can chat with you.", "Ask me about myself, the time, or tell me what's on your mind."]
-        if has("joke", "funny"):
-            return list(self._rng.choice(_JOKES))
-        if has("weather", "raining", "sunny"):
-            return ["I can't see outside from here.", "Is it nice where you are?"]
-        if words[0] in ("hi", "hello", "hey", "hiya", "greetings", "howdy") or has("good morning", "good afternoon", "good evening"):
-            return ["Hi there!", "Nice to hear you. What would you like to talk about?"]
-        if has("yes", "yeah", "yep", "sure") and len(words) <= 3:
-            return ["Great!", "Tell me more."]
-        if has("no", "nope", "nah") and len(words) <= 3:
-            return ["Okay, no problem.", "What else is on your mind?"]
-        topic = extract_topic(text)
-        if text.endswith("?") or words[0] in ("what", "who", "why", "how", "where", "when", "which", "can", "could", "do", "does", "is", "are", "will", "would", "should"):
-            return [
-                "Good question!",
-                f"I'm a simple offline character, so I don't know much about {topic}, but I'd love to hear what you think.",
-            ]
-        return ["Oh, interesting!", f"{topic[:1].upper()}{topic[1:]}, tell me more about that."]
 
 
 # --- OpenAI-compatible client ------------------------------------------------------------------
@@ -158,7 +58,7 @@ class OpenAIChatAgent:
         base_url: str = "http://127.0.0.1:8080/v1",
         model: str = "local",
         system_prompt: str | None = None,
-        name: str = DEFAULT_NAME,
+        persona: Persona = DEFAULT_PERSONA,
         api_key: str | None = None,
         temperature: float = 0.7,
         max_tokens: int = 200,
@@ -168,10 +68,13 @@ class OpenAIChatAgent:
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.base_url = base_url
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
-        # Only {name} is filled in: a prompt may hold other braces (JSON examples, code).
-        self.system_prompt = (system_prompt or DEFAULT_SYSTEM_PROMPT).replace("{name}", name)
+        self.persona = persona
+        self.prompt_template = system_prompt
+        # Only {name} and {personality} are filled in: a prompt may hold other braces (JSON examples, code).
+        self.system_prompt = persona_prompt(persona, system_prompt)
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
         self.temperature = temperature
         self.max_tokens = max_tokens
@@ -188,7 +91,16 @@ class OpenAIChatAgent:
         out.append({"role": "user", "content": user_text})
         return out
 
-    def stream_reply(self, user_text: str, history: Sequence[Exchange] = ()) -> Iterator[str]:
+    def for_persona(self, persona: Persona) -> "OpenAIChatAgent":
+        """The same endpoint and settings, speaking as another persona."""
+        return OpenAIChatAgent(self.base_url, self.model, self.prompt_template, persona, self.api_key, self.temperature,
+                               self.max_tokens, self.timeout_s, self.max_history_turns, self.think_opened)
+
+    def describe(self) -> str:
+        return f"{self.model} at {self.base_url}"
+
+    def stream_reply(self, user_text: str, history: Sequence[Exchange] = (),
+                     cancelled: threading.Event | None = None) -> Iterator[str]:
         body = {
             "model": self.model,
             "messages": self.messages(user_text, history),
@@ -211,7 +123,10 @@ class OpenAIChatAgent:
         except (urllib.error.URLError, OSError) as err:
             raise ConnectionError(f"chat endpoint {self.url} unreachable: {err}") from err
         try:
-            yield from without_thinking(self._contents(response), opened=self.think_opened)
+            for text in without_thinking(self._contents(response), opened=self.think_opened):
+                if cancelled is not None and cancelled.is_set():
+                    return
+                yield text
         except TimeoutError as err:
             raise self._stalled() from err
         finally:

@@ -25,8 +25,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from .agent import PersonaAgent, ReplyAgent
+from .agent import ReplyAgent
 from .asr import WhisperASR
+from .spoken import spoken_stream
 from .audio import SAMPLE_RATE, StreamResampler, resample, to_mono_float32
 from .trace import SessionTrace, TurnTrace, now
 from .tts import PiperTTS, SentenceSplitter
@@ -34,7 +35,12 @@ from .vad import WINDOW, StreamingVAD, VADConfig
 
 log = logging.getLogger(__name__)
 
-MAX_CONVERSATION = 50  # exchanges kept for the agent
+# Exchanges kept for the agent, which carries a window of the latest: the list only grows within a session (a few
+# kB an exchange), so an agent can place its window by the count and keep its prompt prefix for several turns.
+MAX_CONVERSATION = 2000
+
+
+_PREPARE = object()  # on the reply queue: let the agent read the latest partial transcript
 
 
 @runtime_checkable
@@ -92,6 +98,10 @@ class VoiceLoopConfig:
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
     barge_in: bool = True
+    first_clause_min_words: int = 3  # the reply's first clause is spoken at a comma once it has this many words
+    # An agent that can (a local model) reads the user's words once they pause, before the end of the turn is sure.
+    # (Reading every partial transcript as well slowed the turn on 2 cores: it competes with speech recognition.)
+    prefill_partials: bool = True
     max_chunk_s: float = 60.0  # longest single feed() call
     trace_path: str | None = None  # JSON-lines file of turn traces
 
@@ -180,7 +190,11 @@ class VoiceLoop:
     ) -> None:
         self.config = config or VoiceLoopConfig()
         self.sink = sink
-        self.agent = agent if agent is not None else PersonaAgent()
+        if agent is None:
+            from .llm import default_agent
+
+            agent = default_agent()
+        self.agent = agent
         self.asr = asr if asr is not None else WhisperASR()
         self.tts = tts if tts is not None else PiperTTS()
         self.on_event = on_event
@@ -203,7 +217,8 @@ class VoiceLoop:
         self._busy = 0  # turns between end of speech and end of reply
         self._playout_until = 0.0
         self._closed = False
-        self._replies: queue.Queue[_Turn | None] = queue.Queue()
+        self._replies: queue.Queue[_Turn | object | None] = queue.Queue()  # turns to answer; _PREPARE; None: stop
+        self._prepare_text: str | None = None  # the words of the turn being spoken, for the agent to read ahead
         self._threads = [
             threading.Thread(target=self._asr_worker, name="voice-asr-1", daemon=True),
             threading.Thread(target=self._asr_worker, name="voice-asr-2", daemon=True),
@@ -441,6 +456,8 @@ class VoiceLoop:
                 partial = not turn.ended
             if partial and text:
                 self._emit([LoopEvent("user_partial", turn.turn_id, text)])
+                if kind == "final":  # a silence began: most likely these are all their words
+                    self._ask_prepare(text)
 
     def _next_asr_job(self) -> tuple[tuple[_Turn, int, str] | None, float | None]:
         """(turn, decode up to sample, 'final' or 'preview'), or how long to sleep (lock held)."""
@@ -513,11 +530,41 @@ class VoiceLoop:
 
     # --- reply worker ---------------------------------------------------------------------------
 
+    def _prepare_agent(self, user_text: str | None = None) -> None:
+        """Let an agent that can (a local model) evaluate the next turn's prompt now, while nobody waits for it: the
+        conversation so far, and with user_text the words of the turn heard so far."""
+        prepare = getattr(self.agent, "prepare", None)
+        if prepare is None or self._closed:
+            return
+        with self._lock:
+            history = list(self.conversation)
+        try:
+            prepare(history, user_text)
+        except Exception:  # a reply will still be made, only later
+            log.exception("agent prepare failed")
+
+    def _ask_prepare(self, user_text: str) -> None:
+        """From an ASR worker: the reply worker reads the user's words so far into the agent, if it is idle."""
+        if not self.config.prefill_partials or getattr(self.agent, "prepare", None) is None:
+            return
+        with self._lock:
+            if self._speaking is not None:
+                return
+            self._prepare_text = user_text
+        self._replies.put(_PREPARE)
+
     def _reply_worker(self) -> None:
+        self._prepare_agent()
         while True:
             turn = self._replies.get()
             if turn is None:
                 return
+            if turn is _PREPARE:
+                with self._lock:
+                    text, self._prepare_text = self._prepare_text, None
+                if text is not None and self._replies.empty():  # no reply waits behind it
+                    self._prepare_agent(text)
+                continue
             with self._lock:
                 if turn.cancelled.is_set() or self._closed:
                     self._finish(turn)
@@ -537,13 +584,16 @@ class VoiceLoop:
                     if turn.audio_pushed:
                         self._last_spoken = turn
                     self._finish(turn)
+            if self._replies.empty():
+                self._prepare_agent()
 
     def _reply(self, turn: _Turn) -> None:
         assert turn.final_text is not None
         with self._lock:
             history = list(self.conversation)
-        stream = self.agent.stream_reply(turn.final_text, history)
-        splitter = SentenceSplitter()
+        written = self.agent.stream_reply(turn.final_text, history, cancelled=turn.cancelled)
+        stream = spoken_stream(written)  # as it will be said: no lists, markup or figures
+        splitter = SentenceSplitter(first_clause_min_words=self.config.first_clause_min_words)
         reply: list[str] = []
         try:
             for chunk in stream:
@@ -561,9 +611,10 @@ class VoiceLoop:
                     if not self._speak(turn, sentence):
                         break
         finally:
-            close = getattr(stream, "close", None)
+            stream.close()
+            close = getattr(written, "close", None)
             if close is not None:
-                close()  # e.g. drops the HTTP stream of an abandoned reply
+                close()  # ends generation now: a local model's, or the HTTP stream of an endpoint
         text = "".join(reply).strip()
         turn.trace.info["reply_text"] = text
         if turn.cancelled.is_set():

@@ -8,7 +8,9 @@ import math
 import sys
 from collections.abc import Callable
 
-from .agent import DEFAULT_NAME, OpenAIChatAgent, PersonaAgent, ReplyAgent
+from .agent import OpenAIChatAgent, ReplyAgent
+from .llm import DEFAULT_MODEL, MODELS, LocalLLM, LocalLLMAgent
+from .personas import PERSONAS, persona_for
 from .asr import WhisperASR
 from .loop import AudioSink, VoiceLoop, VoiceLoopConfig
 from .tts import PiperTTS
@@ -45,15 +47,23 @@ _probability = _number(float, lambda v: 0.0 < v < 1.0, "a probability between 0 
 _positive_seconds = _number(float, lambda v: 0 < v < math.inf, "a finite number of seconds > 0")
 _positive_rate = _number(int, lambda v: v > 0, "a sample rate in Hz > 0")
 _milliseconds = _number(int, lambda v: v >= 0, "a whole number of milliseconds >= 0")
+_threads = _number(int, lambda v: v >= 1, "a whole number of threads >= 1")
 
 
 def add_loop_args(parser: argparse.ArgumentParser) -> None:
     vad = VADConfig()
-    parser.add_argument("--agent", choices=("persona", "openai"), default="persona", help="reply agent (default: the offline persona)")
-    parser.add_argument("--name", default=DEFAULT_NAME, help="the character's name")
+    parser.add_argument("--agent", choices=("local", "openai"), default="local",
+                        help="reply agent: local (a small instruct model in this process, the default) or openai "
+                             "(an OpenAI-compatible endpoint you run)")
+    parser.add_argument("--llm", choices=tuple(MODELS), default=DEFAULT_MODEL, help="the local language model (with --agent local)")
+    parser.add_argument("--llm-threads", type=_threads, default=None,
+                        help="CPU threads for the local language model (default: all cores up to 4, else up to 8)")
+    parser.add_argument("--preset", choices=tuple(PERSONAS), default="ada", help="whose persona answers (name and personality)")
+    parser.add_argument("--name", default=None, help="the character's name (default: the preset's)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible endpoint (with --agent openai)")
     parser.add_argument("--model", default="local", help="chat model name (with --agent openai)")
-    parser.add_argument("--system-prompt", default=None, help="system prompt; {name} is replaced by --name (with --agent openai)")
+    parser.add_argument("--system-prompt", default=None,
+                        help="system prompt; {name} and {personality} are replaced by the persona's (default: voice/personas.py)")
     parser.add_argument("--chat-timeout", type=_positive_seconds, default=30.0,
                         help="seconds the chat endpoint may go without sending data (with --agent openai)")
     parser.add_argument("--think-opened", action="store_true",
@@ -72,10 +82,11 @@ def add_loop_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_agent(args: argparse.Namespace) -> ReplyAgent:
+    persona = persona_for(args.preset, args.name)
     if args.agent == "openai":
-        return OpenAIChatAgent(base_url=args.base_url, model=args.model, system_prompt=args.system_prompt, name=args.name,
+        return OpenAIChatAgent(base_url=args.base_url, model=args.model, system_prompt=args.system_prompt, persona=persona,
                                timeout_s=args.chat_timeout, think_opened=args.think_opened)
-    return PersonaAgent(name=args.name)
+    return LocalLLMAgent(LocalLLM(args.llm, threads=args.llm_threads), persona, prompt_template=args.system_prompt)
 
 
 def build_loop(args: argparse.Namespace, sink: AudioSink) -> VoiceLoop:

