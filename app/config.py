@@ -50,11 +50,15 @@ class AppConfig:
                                        "a fallback, seconds behind)")
     # Voice
     audio_input: str = setting("browser", "microphone: the browser's, or local (this machine's own)")
-    agent: str = setting("persona", "replies: persona (offline) or openai (an OpenAI-compatible endpoint)")
-    name: str = setting("Ada", "the character's name, as the agent uses it")
+    agent: str = setting("local", "replies: local (a small language model in this process) or openai "
+                                  "(an OpenAI-compatible endpoint you run, for bigger models)")
+    llm: str = setting("qwen2.5-1.5b", "agent local: the language model (qwen2.5-1.5b, or the lighter qwen2.5-0.5b)")
+    llm_threads: int | None = setting(None, "agent local: CPU threads for the language model (default: all cores "
+                                            "up to 4, else up to 8)")
+    name: str | None = setting(None, "the character's name (default: the preset's own, voice/personas.py)")
     base_url: str = setting("http://127.0.0.1:8080/v1", "agent openai: the endpoint")
     model: str = setting("local", "agent openai: the model name")
-    system_prompt: str | None = setting(None, "agent openai: the system prompt ({name} becomes the character's name)")
+    system_prompt: str | None = setting(None, "the system prompt ({name} and {personality} become the persona's)")
     asr_model: str | None = setting(None, "speech recognition model folder (default: the shipped Whisper model)")
     voice: str | None = setting(None, "Piper voice model for the character's speech (default: the shipped one)")
     vad_threshold: float = setting(0.5, "speech probability the VAD takes as speech, between 0 and 1")
@@ -77,6 +81,7 @@ class AppConfig:
             (1 <= self.port <= 65535, f"port must be 1..65535, got {self.port}"),
             (1 <= self.prebuffer <= self.max_lead, f"need 1 <= prebuffer <= max_lead, got {self.prebuffer}, {self.max_lead}"),
             (self.tp is None or self.tp >= 1, f"tp must be >= 1, got {self.tp}"),
+            (self.llm_threads is None or self.llm_threads >= 1, f"llm_threads must be >= 1, got {self.llm_threads}"),
             (0.0 < self.vad_threshold < 1.0, f"vad_threshold must be between 0 and 1, got {self.vad_threshold}"),
             (self.min_silence_ms > 0 and self.preroll_ms >= 0, "min_silence_ms must be > 0 and preroll_ms >= 0"),
         ]
@@ -90,7 +95,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "transport": ("webrtc", "hls"),
     "audio_input": ("browser", "local"),
-    "agent": ("persona", "openai"),
+    "agent": ("local", "openai"),
+    "llm": ("qwen2.5-1.5b", "qwen2.5-0.5b"),
 }
 # Settings whose default is None ("the app picks"); any other setting needs a value.
 OPTIONAL = frozenset(f.name for f in fields(AppConfig) if f.default is None)

@@ -24,8 +24,10 @@ RECENT_SYNC_REPORTS = 5  # the browser's sync reports (one a second) that health
 
 def load_voice_models(config: AppConfig) -> VoiceModels:
     """ASR, TTS and the agent; ValueError naming what is missing."""
-    from voice.agent import OpenAIChatAgent, PersonaAgent
+    from voice.agent import OpenAIChatAgent
     from voice.asr import WhisperASR
+    from voice.llm import LocalLLM, LocalLLMAgent
+    from voice.personas import persona_for
     from voice.tts import PiperTTS
     from voice.vad import VADConfig
 
@@ -39,10 +41,16 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
         tts = PiperTTS(model_path=config.voice, use_cuda=False if device == "cpu" else None)
     except Exception as e:
         raise ValueError(f"text-to-speech voice missing or unreadable: {e}") from e
+    persona = persona_for(config.preset, config.name)
     if config.agent == "openai":
-        agent = OpenAIChatAgent(base_url=config.base_url, model=config.model, system_prompt=config.system_prompt, name=config.name)
+        agent = OpenAIChatAgent(base_url=config.base_url, model=config.model, system_prompt=config.system_prompt,
+                                persona=persona)
     else:
-        agent = PersonaAgent(name=config.name)
+        try:
+            llm = LocalLLM(config.llm, threads=config.llm_threads)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"language model missing or unreadable: {e}") from e
+        agent = LocalLLMAgent(llm, persona, prompt_template=config.system_prompt)
     asr.warm_up()
     tts.warm_up()
     vad = VADConfig(threshold=config.vad_threshold, min_silence_ms=config.min_silence_ms, speech_pad_ms=config.preroll_ms)
@@ -90,7 +98,7 @@ class Controller:
                                                     {"preset": preset, "spec": self.host.spec.name, "device": str(self.host.device),
                                                      "trained_weights": self.host.trained})
                 if self.voice is not None:
-                    live.attach_voice(self.voice)
+                    live.attach_voice(self.voice, self.config.name)
                 live.on_failure = self._on_failure
                 live.start()
             except BaseException:  # e.g. a recordings folder that cannot be made: no engine left running behind
@@ -159,6 +167,8 @@ class Controller:
     def health(self) -> dict[str, Any]:
         host = self.host
         out: dict[str, Any] = {"spec": self.config.spec}
+        if self.voice is not None and hasattr(self.voice.agent, "describe"):
+            out["replies"] = self.voice.agent.describe()
         if host is not None:
             out.update(device=str(host.device), placement=host.placement_text,
                        weights="trained" if host.trained else "random (no trained weights shipped yet)")

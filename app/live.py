@@ -21,6 +21,7 @@ import numpy as np
 from app.recorder import SessionRecorder
 from engine.realtime import AVFrame, RealtimeCharacter
 from voice.loop import LoopEvent, VoiceLoop, VoiceLoopConfig
+from voice.personas import persona_for
 from voice.trace import now
 from voice.vad import VADConfig
 
@@ -92,10 +93,14 @@ class LiveSession:
         self.on_failure: Callable[["LiveSession"], None] | None = None
 
     # Set-up ---------------------------------------------------------------------------------
-    def attach_voice(self, models: VoiceModels) -> None:
+    def attach_voice(self, models: VoiceModels, name: str | None = None) -> None:
+        """A voice loop over the shared models, the agent speaking as this session's preset (or `name`)."""
         config = VoiceLoopConfig(vad=models.vad, output_sample_rate=16000,
                                  trace_path=str(self.recorder.trace_path) if self.recorder else None)
-        self.voice = VoiceLoop(self.sink, agent=models.agent, asr=models.asr, tts=models.tts, config=config,
+        agent = models.agent
+        if hasattr(agent, "for_persona"):
+            agent = agent.for_persona(persona_for(self.preset, name))
+        self.voice = VoiceLoop(self.sink, agent=agent, asr=models.asr, tts=models.tts, config=config,
                                on_event=self._on_voice_event)
 
     def start(self) -> None:

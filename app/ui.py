@@ -16,6 +16,7 @@ from app.latency import render_panel
 from app.recorder import find_recording, list_recordings
 from engine.character import PRESETS
 from engine.config import get_spec
+from voice.personas import persona_for
 
 # Gradio 5 announces Gradio 6 changes for settings whose Gradio 5 behaviour this app relies on: Chatbot's
 # allow_tags=False (it warns unless allow_tags=True), HTML's padding (it warns while padding is True, its
@@ -61,6 +62,12 @@ def _health_html(health: dict[str, Any]) -> str:
     rows = "".join(f'<tr><th>{html.escape(k.replace("_", " "))}</th><td data-health="{k}">{html.escape(str(v))}</td></tr>'
                    for k, v in health.items())
     return f'<table id="tl-health" class="tl-table">{rows}</table>'
+
+
+def _persona_text(preset: str, name: str | None) -> str:
+    """Who the character is, under the picker: the name and personality the agent speaks with."""
+    persona = persona_for(preset, name)
+    return f"**{persona.name}**: {persona.personality}"
 
 
 def _failures_html(failures: list[str]) -> str:
@@ -142,6 +149,7 @@ def build_ui(controller: Controller) -> gr.Blocks:
                     with gr.Row():
                         preset = gr.Dropdown(choices=list(PRESETS), value=config.preset, label="character", elem_id="tl-preset")
                         record = gr.Checkbox(value=config.record, label="record this session", elem_id="tl-record")
+                    persona = gr.Markdown(_persona_text(config.preset, config.name), elem_id="tl-persona")
                     with gr.Row():
                         start_btn = gr.Button("Start", variant="primary", elem_id="tl-start")
                         stop_btn = gr.Button("Stop", elem_id="tl-stop")
@@ -188,6 +196,8 @@ def build_ui(controller: Controller) -> gr.Blocks:
             preset.input(switch, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
             if mic is not None:
                 mic.stream(feed_mic, inputs=[mic], outputs=None, stream_every=0.25)
+        preset.change(lambda picked: _persona_text(picked, config.name), inputs=[preset], outputs=[persona],
+                      show_progress="hidden")
         refresh_btn.click(recordings_choices, outputs=[choice])
         choice.change(replay, inputs=[choice], outputs=[video, replay_latency, replay_transcript])
         demo.load(recordings_choices, outputs=[choice])

@@ -42,7 +42,7 @@ def test_bad_settings_are_named(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("text, key", [("port:\n", "port"), ("vad_threshold: ~\n", "vad_threshold"),
-                                       ("adaptive_lead: ~\n", "adaptive_lead"), ("name:\n", "name")])
+                                       ("adaptive_lead: ~\n", "adaptive_lead"), ("llm:\n", "llm")])
 def test_an_empty_value_is_named_unless_the_setting_may_be_left_to_the_app(tmp_path, text, key):
     path = tmp_path / "empty.yaml"
     path.write_text(text)

@@ -20,7 +20,7 @@ def test_every_character_preset_has_a_persona_and_a_prompt_in_its_name():
     for preset in PRESETS:
         persona = persona_for(preset)
         prompt = system_prompt(persona)
-        assert prompt.startswith(f"You are {persona.name}, {persona.personality}.")
+        assert prompt.endswith(f"Your name is {persona.name}; you are {persona.personality}.")
         assert "{" not in prompt and "no lists" not in prompt.lower()  # filled in; the rule is "Never use lists"
     assert persona_for("ada", "Zoe") == Persona("Zoe", PERSONAS["ada"].personality)
 

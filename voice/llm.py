@@ -246,21 +246,23 @@ class LocalLLM:
     def count_tokens(self, text: str) -> int:
         return len(self.llm.tokenize(text.encode(), add_bos=False, special=True))
 
-    def prefill(self, prompt: str) -> None:
+    def prefill(self, prompt: str, stop: Callable[[], bool] | None = None, chunk_tokens: int = 32) -> bool:
         """Evaluate prompt into the KV cache (reusing what it shares with the cache), so that a completion starting
-        with it only evaluates what follows."""
+        with it only evaluates what follows. In chunks, with `stop()` asked between them (a session closing need not
+        wait for a whole system prompt); False when stopped early."""
         tokens = self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
         with self.lock:
-            cached = self.llm._input_ids.tolist()
             shared = 0
-            for a, b in zip(cached, tokens):
+            for a, b in zip(self.llm._input_ids.tolist(), tokens):
                 if a != b:
                     break
                 shared += 1
-            if shared == len(tokens):
-                return
             self.llm.n_tokens = shared
-            self.llm.eval(tokens[shared:])
+            for start in range(shared, len(tokens), chunk_tokens):
+                if stop is not None and stop():
+                    return False
+                self.llm.eval(tokens[start:start + chunk_tokens])
+        return True
 
     def complete(self, prompt: str, max_tokens: int, temperature: float, stop: Sequence[str],
                  cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
@@ -359,10 +361,11 @@ class LocalLLMAgent:
             prompt = "".join(parts)
         return prompt
 
-    def prepare(self, history: Sequence[Exchange] = (), user_text: str | None = None) -> None:
+    def prepare(self, history: Sequence[Exchange] = (), user_text: str | None = None,
+                stop: Callable[[], bool] | None = None) -> None:
         """Evaluate the next turn's prompt prefix now, between turns or (with user_text, the words heard so far)
-        while the user speaks, so the reply starts sooner."""
-        self.llm.prefill(self.prompt(user_text, history, whole=False))
+        at the user's pause, so the reply starts sooner; `stop()` true ends it early."""
+        self.llm.prefill(self.prompt(user_text, history, whole=False), stop)
 
     def stream_reply(self, user_text: str, history: Sequence[Exchange] = (),
                      cancelled: threading.Event | None = None) -> Iterator[str]:

@@ -539,7 +539,7 @@ class VoiceLoop:
         with self._lock:
             history = list(self.conversation)
         try:
-            prepare(history, user_text)
+            prepare(history, user_text, stop=lambda: self._closed)
         except Exception:  # a reply will still be made, only later
             log.exception("agent prepare failed")
 

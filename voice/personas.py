@@ -14,7 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Persona:
     name: str
-    personality: str  # one line, said as "You are <name>, <personality>"
+    personality: str  # one line, said as "you are <personality>"
 
     def describe(self) -> str:
         return f"{self.name}: {self.personality}"
@@ -28,12 +28,14 @@ PERSONAS: dict[str, Persona] = {
 }
 DEFAULT_PERSONA = PERSONAS["ada"]
 
+# The persona comes last: every preset's prompt shares the rules before it, so a model that keeps its prompt cached
+# re-reads only the persona's line when the character changes.
 SYSTEM_PROMPT = (
-    "You are {name}, {personality}. You are an animated character talking with someone by voice, so every "
-    "reply is spoken aloud. Answer what was asked, correctly and directly, in one to three short sentences; "
-    "begin with a short sentence of a few words. Never use lists, numbered steps, headings, markdown or emoji. "
-    "You have your own name, opinions and favourite things: never say you are an AI, a language model or made "
-    "by a company. Remember what the person told you earlier in the conversation."
+    "You are an animated character talking with someone by voice, so every reply is spoken aloud. Answer what was "
+    "asked, correctly and directly, in one to three short sentences; begin with a short sentence of a few words. "
+    "Never use lists, numbered steps, headings, markdown or emoji. You have your own name, opinions and favourite "
+    "things: never say you are an AI, a language model or made by a company. Remember what the person told you "
+    "earlier in the conversation. Your name is {name}; you are {personality}."
 )
 
 
