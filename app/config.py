@@ -53,6 +53,8 @@ class AppConfig:
     agent: str = setting("local", "replies: local (a small language model in this process) or openai "
                                   "(an OpenAI-compatible endpoint you run, for bigger models)")
     llm: str = setting("qwen2.5-1.5b", "agent local: the language model (qwen2.5-1.5b, or the lighter qwen2.5-0.5b)")
+    llm_device: str = setting("auto", "agent local: where the language model runs: auto (the GPU when the engine "
+                                      "runs on one and llama.cpp was built for CUDA, else the CPU), cpu or cuda")
     llm_threads: int | None = setting(None, "agent local: CPU threads for the language model (default: all cores "
                                             "up to 4, else up to 8)")
     name: str | None = setting(None, "the character's name (default: the preset's own, voice/personas.py)")
@@ -97,6 +99,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "audio_input": ("browser", "local"),
     "agent": ("local", "openai"),
     "llm": ("qwen2.5-1.5b", "qwen2.5-0.5b"),
+    "llm_device": ("auto", "cpu", "cuda"),
 }
 # Settings whose default is None ("the app picks"); any other setting needs a value.
 OPTIONAL = frozenset(f.name for f in fields(AppConfig) if f.default is None)

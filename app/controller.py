@@ -47,7 +47,8 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
                                 persona=persona)
     else:
         try:
-            llm = LocalLLM(config.llm, threads=config.llm_threads)
+            llm = LocalLLM(config.llm, threads=config.llm_threads,
+                           device="cpu" if config.device == "cpu" else config.llm_device)
         except (ValueError, OSError) as e:
             raise ValueError(f"language model missing or unreadable: {e}") from e
         agent = LocalLLMAgent(llm, persona, prompt_template=config.system_prompt)

@@ -100,6 +100,12 @@ for part in $parts; do
     printf '<?xml version="1.0"?>\n<fontconfig><dir>/tmp/chromium/usr/share/fonts</dir><cachedir>/tmp/chromium/fc-cache</cachedir></fontconfig>\n' > /tmp/chromium/fonts.conf
     printf '#!/bin/sh\nexport LD_LIBRARY_PATH=/tmp/chromium/usr/lib/x86_64-linux-gnu:/tmp/chromium/usr/lib/x86_64-linux-gnu/pulseaudio:/tmp/chromium/lib/x86_64-linux-gnu FONTCONFIG_FILE=/tmp/chromium/fonts.conf\nexec /tmp/chromium/usr/lib/chromium/chromium-headless-shell "$@"\n' > /tmp/chromium/shell
     chmod +x /tmp/chromium/shell
+    if ls /tmp/app-files/llama_cpp_python-*.tar.gz > /dev/null 2>&1; then  # the language model's runtime, built here
+      CMAKE_ARGS="-DLLAVA_BUILD=OFF" python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+        /tmp/app-files/llama_cpp_python-*.tar.gz || exit 1
+      mkdir -p /tmp/talkloop-cache && mv /tmp/app-files/*.gguf /tmp/talkloop-cache/ 2>/dev/null
+    fi
+    export TALKLOOP_CACHE=/tmp/talkloop-cache
     TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py --first /tmp/site app.bench ${APP_ARGS:---device cuda} \
       --utterances "${APP_UTTERANCES:-5}" --json > "$OUT/app_bench_demo_h200.json" && cat "$OUT/app_bench_demo_h200.json"
   fi

@@ -198,6 +198,14 @@ def model_file(key: str = DEFAULT_MODEL, folder: Path | None = None) -> Path:
     return out
 
 
+def _gpu_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def default_threads() -> int:
     """Threads for the language model: all cores on a small machine, else up to 8 of them, leaving the rest to
     speech recognition, speech synthesis and the engine's host thread (decoding is bound by memory bandwidth, so
@@ -209,27 +217,32 @@ def default_threads() -> int:
 class LocalLLM:
     """A GGUF model loaded by llama.cpp (llama-cpp-python), one completion at a time.
 
-    gpu_layers: layers offloaded to a GPU (-1: all); only a CUDA build of llama-cpp-python can, and
-    `device` says where it runs."""
+    device: "cpu"; "cuda" (every layer on the GPU: needs a CUDA build of llama-cpp-python, which
+    `CMAKE_ARGS="-DGGML_CUDA=on" pip install llama-cpp-python==0.3.36` makes); "auto": the GPU when this build
+    can offload and a GPU is visible, else the CPU. `device` afterwards says where it runs."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, threads: int | None = None, gpu_layers: int = 0,
+    def __init__(self, model: str = DEFAULT_MODEL, threads: int | None = None, device: str = "cpu",
                  context_tokens: int = 2048, seed: int = 0, path: Path | None = None) -> None:
         try:
             import llama_cpp
         except ImportError as err:
             raise ValueError(f"llama-cpp-python is not installed ({err}): pip install -e . builds it") from err
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"language model device must be auto, cpu or cuda, got {device!r}")
         self.key = model
         self.title = MODELS[model].title if model in MODELS else model
         self.path = path or model_file(model)
         self.threads = threads or default_threads()
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        offload = gpu_layers != 0 and bool(llama_cpp.llama_supports_gpu_offload())
-        if gpu_layers != 0 and not offload:
-            log.warning("this llama-cpp-python build cannot use a GPU: the language model runs on the CPU")
+        can_offload = bool(llama_cpp.llama_supports_gpu_offload())
+        if device == "cuda" and not can_offload:
+            raise ValueError("this llama-cpp-python build cannot use a GPU (rebuild it with CMAKE_ARGS=\"-DGGML_CUDA=on\"), "
+                             "or run the language model on the CPU")
+        offload = device == "cuda" or (device == "auto" and can_offload and _gpu_visible())
         started = time.perf_counter()
         self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=context_tokens, n_threads=self.threads,
-                                   n_threads_batch=self.threads, n_gpu_layers=gpu_layers if offload else 0,
+                                   n_threads_batch=self.threads, n_gpu_layers=-1 if offload else 0,
                                    seed=seed, verbose=False)
         self.load_s = time.perf_counter() - started
         self.device = "cuda" if offload else "cpu"

@@ -58,6 +58,8 @@ def add_loop_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llm", choices=tuple(MODELS), default=DEFAULT_MODEL, help="the local language model (with --agent local)")
     parser.add_argument("--llm-threads", type=_threads, default=None,
                         help="CPU threads for the local language model (default: all cores up to 4, else up to 8)")
+    parser.add_argument("--llm-device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the local language model runs (auto: the GPU when llama.cpp was built for CUDA and one is visible)")
     parser.add_argument("--preset", choices=tuple(PERSONAS), default="ada", help="whose persona answers (name and personality)")
     parser.add_argument("--name", default=None, help="the character's name (default: the preset's)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="OpenAI-compatible endpoint (with --agent openai)")
@@ -86,7 +88,8 @@ def build_agent(args: argparse.Namespace) -> ReplyAgent:
     if args.agent == "openai":
         return OpenAIChatAgent(base_url=args.base_url, model=args.model, system_prompt=args.system_prompt, persona=persona,
                                timeout_s=args.chat_timeout, think_opened=args.think_opened)
-    return LocalLLMAgent(LocalLLM(args.llm, threads=args.llm_threads), persona, prompt_template=args.system_prompt)
+    device = "cpu" if args.device == "cpu" else args.llm_device
+    return LocalLLMAgent(LocalLLM(args.llm, threads=args.llm_threads, device=device), persona, prompt_template=args.system_prompt)
 
 
 def build_loop(args: argparse.Namespace, sink: AudioSink) -> VoiceLoop:
