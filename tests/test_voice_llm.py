@@ -116,3 +116,15 @@ def test_prepare_reads_the_prompt_ahead(llm):
     assert evaluated == prompt_tokens
     text = "".join(agent.stream_reply("What is the tallest mountain in the world?", [("Hi.", "Hello!")]))
     assert "everest" in text.lower()
+
+
+def test_a_gpu_asked_of_a_build_without_cuda_is_a_clear_error():
+    import llama_cpp
+
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this llama.cpp build can use a GPU")
+    with pytest.raises(ValueError, match="cannot use a GPU"):
+        LocalLLM(device="cuda")
+    with pytest.raises(ValueError, match="must be auto, cpu or cuda"):
+        LocalLLM(device="tpu")
+    assert LocalLLM(device="auto").device == "cpu"
