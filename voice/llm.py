@@ -13,6 +13,7 @@ barge-in or Stop.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import importlib
@@ -385,18 +386,20 @@ class LocalLLMAgent:
         limit = self.long_sentences if _MORE_WANTED.search(user_text) else self.max_sentences
         stop_now = (lambda: cancelled.is_set()) if cancelled is not None else None
         text = ""
-        for chunk in self.llm.complete(self.prompt(user_text, history), self.max_tokens, self.temperature,
-                                       stop=[self.IM_END, f"{self.IM_START}"], cancelled=stop_now):
-            text += chunk
-            ends = list(_SENTENCE_END.finditer(text))
-            if len(ends) >= limit:
-                # the last sentence allowed is complete: say up to its end, generate no more
-                end = ends[limit - 1].end()
-                keep = chunk[: max(0, len(chunk) - (len(text) - end))]
-                if keep:
-                    yield keep
-                return
-            yield chunk
+        completion = self.llm.complete(self.prompt(user_text, history), self.max_tokens, self.temperature,
+                                       stop=[self.IM_END, self.IM_START], cancelled=stop_now)
+        with contextlib.closing(completion):  # ends generation and frees the model however the reply ends
+            for chunk in completion:
+                text += chunk
+                ends = list(_SENTENCE_END.finditer(text))
+                if len(ends) >= limit:
+                    # the last sentence allowed is complete: say up to its end, generate no more
+                    end = ends[limit - 1].end()
+                    keep = chunk[: max(0, len(chunk) - (len(text) - end))]
+                    if keep:
+                        yield keep
+                    return
+                yield chunk
 
 
 def default_agent(persona: Persona = DEFAULT_PERSONA) -> LocalLLMAgent:
