@@ -217,7 +217,9 @@ def voice_loop() -> list[str]:
         if not r:
             continue
         st = r["stages_s"]
-        out += [f"## The voice loop, end of speech to first reply audio ({name.upper()})", "",
+        out += [f"## The voice loop with the earlier template agent, end of speech to first reply audio ({name.upper()})", "",
+                "A rule-based agent that answered at once, since replaced by the language model (next sections); kept for "
+                "the loop's own stages.", "",
                 f"{where}: {r['cpu_count']} cores, device `{r['device']}`, ASR compute type {r['asr_compute_type']}, agent "
                 f"`{r['agent']}`, speech from {r['speech_source']}; {len(r['utterances'])} questions fed in 32 ms chunks at "
                 f"wall-clock pace; min_silence_ms {r['config']['min_silence_ms']}, threshold {r['config']['threshold']}; "
@@ -238,6 +240,56 @@ def voice_loop() -> list[str]:
             out += [f"Against the GPU machine's target ({gpu_limit} s): {'met' if t['median_s'] <= gpu_limit else 'not met'}, "
                     "with no model on the GPU."]
         out += [""]
+    return out
+
+
+def character_replies() -> list[str]:
+    """The local language model: what it says (agent bench), the voice loop with it on 2 CPU cores, the app on an H200."""
+    out: list[str] = []
+    rows = [(n, load(f"agent_bench_{n}.json")) for n in ("cpu", "cpu_05b")]
+    if any(r for _, r in rows):
+        out += ["## The character's replies: what the language model says (CPU)", "",
+                "44 spoken-style turns in 32 conversations, each scored on the facts a right answer contains; what would "
+                "reach speech synthesis checked for list or markdown syntax. Commands: `python -m voice.agent_bench --json`, "
+                "and with `--llm qwen2.5-0.5b` (results: `docs/results/agent_bench_cpu.json`, `..._05b.json`)", "",
+                "| model | where | correct | follow-ups | list or markup to TTS | first text median s |", "|---|---|---|---|---|---|"]
+        for _, r in rows:
+            if r:
+                out.append(f"| {r['model']} | {r['cpu_count']} cores | {r['correct_share']:.1%} | {r['follow_up_share']:.0%} | "
+                           f"{r['replies_with_markup_to_tts']} | {r['first_text_s']['median']:.3f} |")
+        out.append("")
+    runs = [(n, load(f"voice_bench_llm_{n}.json")) for n in ("cpu", "cpu_repeat_1", "cpu_repeat_2", "cpu_05b")]
+    if any(r for _, r in runs):
+        out += ["## The voice loop with the language model, end of speech to first reply audio (CPU)", "",
+                "The development machine, no GPU, 2 cores; 10 Piper-spoken questions fed at wall-clock pace. Command: "
+                "`python -m voice.bench --json --utterances 10` (`--llm qwen2.5-0.5b` for the last row; results: "
+                "`docs/results/voice_bench_llm_cpu*.json`)", "",
+                "| model | llm_ttft median s | tts_ttfb median s | e2e_latency median s | p95 s | target (<= 1.3 s) |",
+                "|---|---|---|---|---|---|"]
+        for name, r in runs:
+            if r:
+                st = r["stages_s"]
+                out.append(f"| {r['agent_model']} ({name}) | {st['llm_ttft']['median']:.3f} | {st['tts_ttfb']['median']:.3f} | "
+                           f"{st['e2e_latency']['median']:.3f} | {st['e2e_latency']['p95']:.3f} | "
+                           f"{'met' if r['target']['met'] else 'not met'} |")
+        out.append("")
+    apps = [(n, load(f"app_bench_llm_h200{n}.json")) for n in ("", "_repeat", "_cpu_llm")]
+    if any(r for _, r in apps):
+        out += ["## The app with the language model, end of speech to voice at the browser (H200)", "",
+                "One H200, the demo spec with its CUDA graph, 8 spoken questions, Debian's chromium under Playwright. "
+                "Commands: `LLM=qwen2.5-1.5b PART_MIB=56 bash tools/app_carry.sh` here, one device call per part, then "
+                "`APP_UTTERANCES=8 bash tools/gpu_suite.sh app` there (the model on the CPU); with the CUDA build of "
+                "llama-cpp-python in its place, `python -m app.bench --device cuda --utterances 8 --json` (results: "
+                "`docs/results/app_bench_llm_h200.json`, `..._repeat.json`, `..._cpu_llm.json`)", "",
+                "| language model | reply first text median s | median s | p95 s | fps | underruns | target (<= 0.9 s) |",
+                "|---|---|---|---|---|---|---|"]
+        for _, r in apps:
+            if r:
+                total = r["stages_s"]["end of speech to voice at the browser"]
+                out.append(f"| {r['replies']} | {r['stages_s']['reply first text']['median']:.3f} | {total['median']:.3f} | "
+                           f"{total['p95']:.3f} | {r['engine']['fps']} | {r['engine']['underruns']} | "
+                           f"{'met' if r['target']['met'] else 'not met'} |")
+        out.append("")
     return out
 
 
@@ -1271,6 +1323,7 @@ def main() -> None:
                 f"{pipe['period_minus_diffusion_ms']:.2f} | {pipe['fps']:.0f} | {ms(pipe['real_time_period_ms'])} |", ""]
     out += two_gpus()
     out += voice_loop()
+    out += character_replies()
     out += demo_character(gpu)
     cache_gpu = load("cache_57b_tp3_h200.json")
     if cache_gpu:
