@@ -279,7 +279,8 @@ def character_replies() -> list[str]:
                 "One H200, the demo spec with its CUDA graph, 8 spoken questions, Debian's chromium under Playwright. "
                 "Commands: `LLM=qwen2.5-1.5b PART_MIB=56 bash tools/app_carry.sh` here, one device call per part, then "
                 "`APP_UTTERANCES=8 bash tools/gpu_suite.sh app` there (the model on the CPU); with the CUDA build of "
-                "llama-cpp-python in its place, `python -m app.bench --device cuda --utterances 8 --json` (results: "
+                "llama-cpp-python in its place (`LLM_CUDA=1` builds it so), `python -m app.bench --device cuda --utterances 8 "
+                "--json` (results: "
                 "`docs/results/app_bench_llm_h200.json`, `..._repeat.json`, `..._cpu_llm.json`)", "",
                 "| language model | reply first text median s | median s | p95 s | fps | underruns | target (<= 0.9 s) |",
                 "|---|---|---|---|---|---|---|"]
