@@ -27,8 +27,8 @@ import numpy as np
 
 from .agent import ReplyAgent
 from .asr import WhisperASR
-from .spoken import spoken_stream
 from .audio import SAMPLE_RATE, StreamResampler, resample, to_mono_float32
+from .spoken import spoken_stream
 from .trace import SessionTrace, TurnTrace, now
 from .tts import PiperTTS, SentenceSplitter
 from .vad import WINDOW, StreamingVAD, VADConfig
@@ -100,8 +100,7 @@ class VoiceLoopConfig:
     barge_in: bool = True
     first_clause_min_words: int = 3  # the reply's first clause is spoken at a comma once it has this many words
     # An agent that can (a local model) reads the user's words once they pause, before the end of the turn is sure.
-    # (Reading every partial transcript as well slowed the turn on 2 cores: it competes with speech recognition.)
-    prefill_partials: bool = True
+    prepare_at_pause: bool = True
     max_chunk_s: float = 60.0  # longest single feed() call
     trace_path: str | None = None  # JSON-lines file of turn traces
 
@@ -545,7 +544,7 @@ class VoiceLoop:
 
     def _ask_prepare(self, user_text: str) -> None:
         """From an ASR worker: the reply worker reads the user's words so far into the agent, if it is idle."""
-        if not self.config.prefill_partials or getattr(self.agent, "prepare", None) is None:
+        if not self.config.prepare_at_pause or getattr(self.agent, "prepare", None) is None:
             return
         with self._lock:
             if self._speaking is not None:

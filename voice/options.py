@@ -9,10 +9,10 @@ import sys
 from collections.abc import Callable
 
 from .agent import OpenAIChatAgent, ReplyAgent
-from .llm import DEFAULT_MODEL, MODELS, LocalLLM, LocalLLMAgent
-from .personas import PERSONAS, persona_for
 from .asr import WhisperASR
+from .llm import DEFAULT_MODEL, MODELS, LocalLLM, LocalLLMAgent
 from .loop import AudioSink, VoiceLoop, VoiceLoopConfig
+from .personas import PERSONAS, persona_for
 from .tts import PiperTTS
 from .vad import VADConfig
 

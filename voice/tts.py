@@ -54,7 +54,7 @@ class SentenceSplitter:
     A clause ending in a comma is released early only when it already holds at
     least `clause_min_words` words, so short sentences keep their prosody; the
     reply's first clause goes at `first_clause_min_words`, as the first audio waits
-    on it (a model writes ten tokens a second on two small cores). Text with
+    on it while a language model writes the rest. Text with
     no punctuation at all is cut after `max_words` words, so that its first audio is
     not late (Piper takes seconds over a sentence of hundreds of words, and a reply
     cut short goes on synthesizing it).
