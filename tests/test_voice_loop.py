@@ -17,6 +17,7 @@ from voice.samples import sample_speech, with_silence
 from voice.spoken import integer_words
 from voice.trace import read_jsonl
 from voice.tts import PiperTTS
+from voice.vad import VADConfig
 
 
 class FakeEngineSink:
@@ -125,7 +126,7 @@ def test_full_turn_through_a_fake_engine_sink(models, tmp_path, output_rate):
 
     [record] = read_jsonl(trace_path)
     stamps = record["stamps"]
-    order = ["speech_start", "last_voiced_audio", "speech_end", "asr_done", "reply_first_text", "tts_first_audio", "first_speaking_frame"]
+    order = ["speech_start", "last_voiced_audio", "speech_end", "asr_done", "reply_start", "reply_first_text", "tts_first_audio", "first_speaking_frame"]
     assert list(stamps)[: len(order)] == order
     assert all(stamps[a] <= stamps[b] for a, b in zip(order, order[1:]))
     assert set(record["durations_s"]) >= {"end_of_turn_delay", "stt", "llm_ttft", "tts_ttfb", "e2e_latency", "e2e_latency_to_first_frame"}
@@ -297,6 +298,79 @@ def test_a_user_who_keeps_talking_after_a_pause_stays_in_one_turn(models):
     assert agent.histories == [[]] and len(loop.conversation) == 1
     heard = agent.heard[0].lower()
     assert "hello" in heard and "keys" in heard
+
+
+class PacedAgent(ScriptedAgent):
+    """A ScriptedAgent that takes `token_s` per chunk, like a model decoding, and stops when cancelled."""
+
+    def __init__(self, *replies, token_s: float = 0.05, **kw) -> None:
+        super().__init__(*replies, **kw)
+        self.token_s = token_s
+        self.made: list[int] = []  # chunks generated, per call
+
+    def stream_reply(self, user_text: str, history=(), cancelled=None) -> Iterator[str]:
+        self.made.append(0)
+        for chunk in super().stream_reply(user_text, history, cancelled):
+            for word in chunk.split():
+                if cancelled is not None and cancelled.is_set():
+                    return
+                time.sleep(self.token_s)
+                self.made[-1] += 1
+                yield word + " "
+
+
+def test_the_reply_begins_at_the_pause_and_is_heard_only_after_the_end_of_turn(models, tmp_path):
+    sink, events = FakeEngineSink(), []
+    agent = PacedAgent(["My name is Joe.", "Nice to meet you."], token_s=0.02)
+    trace_path = tmp_path / "turns.jsonl"
+    # A long silence wait, so the transcript made at the pause is in well before the end of the turn.
+    with make_loop(models, sink, agent=agent, events=events, trace_path=str(trace_path),
+                   vad=VADConfig(min_silence_ms=1200)) as loop:
+        feed_audio(loop, question("What is your name?", after_s=2.0), real_time=True)
+        assert loop.wait_idle(30)
+    [record] = read_jsonl(trace_path)
+    stamps = record["stamps"]
+    assert record["preemptive"] is True and record["status"] == "completed"
+    assert stamps["reply_start"] < stamps["speech_end"]  # begun during the silence wait
+    assert stamps["tts_first_audio"] >= stamps["speech_end"]  # but heard only once the turn had ended
+    assert len(agent.heard) == 1 and "name" in agent.heard[0].lower()
+    # the page sees the user's final words before any of the reply
+    assert kinds(events).index("user_final") < kinds(events).index("agent_text") < kinds(events).index("agent_done")
+    assert "Joe" in text_of(events, "agent_done")[0]
+    assert record["durations_s"]["stt"] < 0.05  # nothing left to transcribe at the end of the turn
+
+
+def test_a_reply_begun_at_a_pause_is_dropped_unheard_when_the_user_goes_on(models, tmp_path):
+    sink, events = FakeEngineSink(), []
+    agent = PacedAgent(default=["Green is a lovely colour, and I like it a lot too."], token_s=0.1)
+    trace_path = tmp_path / "turns.jsonl"
+    with make_loop(models, sink, agent=agent, events=events, trace_path=str(trace_path),
+                   vad=VADConfig(min_silence_ms=1500)) as loop:
+        first = with_silence(sample_speech("My favourite colour is green."), before_s=0.4, after_s=0.9)
+        clock = feed_audio(loop, first, real_time=True)  # a pause shorter than the silence wait
+        assert agent.heard  # the reply began on the words so far
+        rest = with_silence(sample_speech("What is yours?"), before_s=0.0, after_s=2.0)
+        feed_audio(loop, rest, real_time=True, clock=clock)
+        assert loop.wait_idle(30)
+    [record] = read_jsonl(trace_path)
+    assert record["replies_dropped"] == 1 and record["status"] == "completed"
+    assert len(agent.heard) == 2 and "yours" not in agent.heard[0].lower() and "yours" in agent.heard[1].lower()
+    assert agent.made[0] < agent.made[1] == 12  # the dropped reply stopped generating
+    # nothing of the dropped reply was shown or heard: one reply, to the whole question
+    assert text_of(events, "user_final") == [agent.heard[1]] and len(text_of(events, "agent_done")) == 1
+    assert sum(p[2].size for p in sink.pushes()) / 16000 == pytest.approx(record["reply_audio_s"], abs=0.01)
+    assert "preemptive" not in record or record["stamps"]["reply_start"] > record["stamps"]["last_voiced_audio"]
+
+
+def test_preemptive_generation_can_be_turned_off(models, tmp_path):
+    agent = PacedAgent(["My name is Joe."], token_s=0.01)
+    trace_path = tmp_path / "turns.jsonl"
+    with make_loop(models, FakeEngineSink(), agent=agent, trace_path=str(trace_path), preemptive_generation=False,
+                   vad=VADConfig(min_silence_ms=1200)) as loop:
+        feed_audio(loop, question("What is your name?", after_s=2.0), real_time=True)
+        assert loop.wait_idle(30)
+    [record] = read_jsonl(trace_path)
+    assert "preemptive" not in record and record["stamps"]["reply_start"] >= record["stamps"]["speech_end"]
 
 
 def test_bad_chunks_are_refused_and_the_loop_goes_on(models):

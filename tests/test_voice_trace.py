@@ -13,7 +13,8 @@ def stamped(**stamps: float) -> TurnTrace:
 
 
 def test_durations_use_the_names_pipecat_and_livekit_users_know():
-    turn = stamped(last_voiced_audio=10.0, speech_end=10.3, asr_done=10.4, reply_first_text=10.41, tts_first_audio=10.6)
+    turn = stamped(last_voiced_audio=10.0, speech_end=10.3, asr_done=10.4, reply_start=10.4, reply_first_text=10.41,
+                   tts_first_audio=10.6)
     assert turn.durations() == {
         "end_of_turn_delay": pytest.approx(0.3),
         "stt": pytest.approx(0.1),

@@ -67,6 +67,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         loop.asr.warm_up()
         loop.tts.warm_up()
+        prepare = getattr(getattr(loop, "agent", None), "prepare", None)
+        if prepare is not None:  # the system prompt read, as an app does once at start
+            prepare([])
         clock = None
         silence = np.zeros(SAMPLE_RATE * 32 // 1000, np.float32)
         for question, audio in zip(questions, speech):

@@ -6,11 +6,13 @@ transcript while the user talks, full-quality decodes for the final one. A
 reply worker streams agent text into TTS sentence by sentence and pushes audio
 into the sink. Workers sleep on a condition or a queue, never poll.
 
-Latency hinges on when the full decode starts: as soon as VAD sees a silence
-begin, a worker transcribes everything fed so far, during the min_silence_ms
-wait that decides the end of the turn. When the turn does end, a transcript
-covering all voiced audio is usually ready or nearly so, and only the reply is
-left.
+Latency hinges on what happens during the min_silence_ms wait that decides
+the end of the turn. As soon as VAD sees a silence begin, a worker transcribes
+everything fed so far; with that transcript the reply starts at once
+(preemptive generation, as LiveKit Agents calls it): generated and synthesized,
+but its text, stamps and audio held until the turn ends with the same words.
+If the user goes on, or the final transcript differs, it is dropped and the
+reply is made again from the final words.
 """
 
 from __future__ import annotations
@@ -99,8 +101,10 @@ class VoiceLoopConfig:
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
     barge_in: bool = True
     first_clause_min_words: int = 3  # the reply's first clause is spoken at a comma once it has this many words
-    # An agent that can (a local model) reads the user's words once they pause, before the end of the turn is sure.
-    prepare_at_pause: bool = True
+    # Start the reply at the user's pause, before the end of the turn is confirmed; speak it once it is.
+    preemptive_generation: bool = True
+    # An agent that can (a local model) reads the user's words while they speak, so its reply starts sooner.
+    read_ahead: bool = True
     max_chunk_s: float = 60.0  # longest single feed() call
     trace_path: str | None = None  # JSON-lines file of turn traces
 
@@ -138,6 +142,20 @@ class _AudioHistory:
 
 
 @dataclass
+class _Attempt:
+    """A reply begun on the transcript made at the user's pause, before the end of the turn is confirmed. It runs
+    like any reply, but its events and stamps are held, and its audio waits, until the turn ends with the same words
+    (confirmed); when the user goes on or the final words differ, it is dropped and `stop` ends it."""
+
+    turn: "_Turn"
+    text: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    confirmed: bool = False
+    held_events: list[LoopEvent] = field(default_factory=list)
+    held_stamps: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class _Turn:
     trace: TurnTrace
     start: int  # first sample of the turn's audio (pre-roll included)
@@ -157,6 +175,13 @@ class _Turn:
     spoken_at: list[float] = field(default_factory=list)  # when each of them starts to play (the loop's estimate)
     barge_in_t: float | None = None  # when the user cut the reply short
     finished: bool = False
+    attempt: _Attempt | None = None  # a reply begun at the user's pause
+
+    def cancel(self) -> None:
+        """End the turn's reply, or the one begun early, at the agent's next token."""
+        self.cancelled.set()
+        if self.attempt is not None:
+            self.attempt.stop.set()
 
     def heard(self) -> str:
         """The reply as far as the user heard it: every sentence sent to be spoken, or with a barge-in, those that
@@ -205,6 +230,7 @@ class VoiceLoop:
         self._lock = threading.Lock()
         self._asr_wake = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
+        self._confirmations = threading.Condition(self._lock)  # an attempt confirmed or dropped
         self._turn: _Turn | None = None  # the turn being listened to / transcribed
         # ended turns still waiting for their final transcript while a newer one is listened to, oldest first
         self._settling: list[_Turn] = []
@@ -216,7 +242,8 @@ class VoiceLoop:
         self._busy = 0  # turns between end of speech and end of reply
         self._playout_until = 0.0
         self._closed = False
-        self._replies: queue.Queue[_Turn | object | None] = queue.Queue()  # turns to answer; _PREPARE; None: stop
+        # turns to answer, replies begun early, _PREPARE; None: stop
+        self._replies: queue.Queue[_Turn | _Attempt | object | None] = queue.Queue()
         self._prepare_text: str | None = None  # the words of the turn being spoken, for the agent to read ahead
         self._threads = [
             threading.Thread(target=self._asr_worker, name="voice-asr-1", daemon=True),
@@ -260,6 +287,7 @@ class VoiceLoop:
                 if self.vad.last_voiced > voiced_before:
                     turn.last_voiced_t = t
                     turn.voiced_end = self.vad.last_voiced
+                    self._drop_attempt(turn)  # the user went on: a reply begun at their pause is stale
                 silence = self.vad.silence_start
                 turn.pause_at = silence if silence else -1
             self._asr_wake.notify_all()
@@ -300,14 +328,15 @@ class VoiceLoop:
                 return
             self._closed = True
             if self._speaking is not None:
-                self._speaking.cancelled.set()  # the reply worker writes its trace
+                self._speaking.cancel()  # the reply worker writes its trace
             for waiting in self._settling:  # ended, their transcripts never to come now
                 self._cancel(waiting, "closed")
             if self._turn is not None:
                 if self._turn.ended:
                     self._cancel(self._turn, "closed")
-                self._turn.cancelled.set()
+                self._turn.cancel()
             self._asr_wake.notify_all()
+            self._confirmations.notify_all()
         self._replies.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
@@ -387,7 +416,8 @@ class VoiceLoop:
         events.append(LoopEvent("agent_interrupted", turn.turn_id, turn.heard()))
 
     def _cancel(self, turn: _Turn, status: str) -> None:
-        turn.cancelled.set()
+        turn.cancel()
+        self._confirmations.notify_all()
         turn.trace.info.setdefault("status", status)
         if not turn.finished and turn is not self._speaking:
             # Nobody else will close this turn's books.
@@ -455,7 +485,8 @@ class VoiceLoop:
                 partial = not turn.ended
             if partial and text:
                 self._emit([LoopEvent("user_partial", turn.turn_id, text)])
-                if kind == "final":  # a silence began: most likely these are all their words
+                # A final decode of a turn not ended: a silence began, most likely these are all their words.
+                if not (kind == "final" and self._begin_early(turn, until, text)):
                     self._ask_prepare(text)
 
     def _next_asr_job(self) -> tuple[tuple[_Turn, int, str] | None, float | None]:
@@ -517,7 +548,21 @@ class VoiceLoop:
         turn.trace.info["final_decode_lead_s"] = round(turn.trace.stamps["speech_end"] - started, 3)
         turn.trace.mark("asr_done")
         turn.trace.info["user_text"] = turn.final_text
-        events.append(LoopEvent("user_final", turn.turn_id, turn.final_text))
+        heard = LoopEvent("user_final", turn.turn_id, turn.final_text)
+        attempt = turn.attempt
+        if attempt is not None and not attempt.stop.is_set() and attempt.text == turn.final_text:
+            # The reply begun at the pause answers these words: it goes on, and is let out. Its held events go out
+            # from the reply worker, after this one, so a page sees the user's words before the reply's.
+            attempt.confirmed = True
+            attempt.held_events.insert(0, heard)
+            for name, t in attempt.held_stamps.items():
+                turn.trace.mark(name, t)
+            turn.trace.info["preemptive"] = True
+            self._speaking = turn
+            self._confirmations.notify_all()
+            return True
+        self._drop_attempt(turn)
+        events.append(heard)
         if not turn.final_text:
             # Noise or a cough that VAD let through: no words, no reply.
             turn.trace.info["status"] = "ignored"
@@ -526,6 +571,34 @@ class VoiceLoop:
             return True
         self._replies.put(turn)
         return True
+
+    def _begin_early(self, turn: _Turn, until: int, text: str) -> bool:
+        """From an ASR worker, with the transcript made at the user's pause: begin the reply to it now, while the
+        end of the turn is still being decided. False where it cannot begin (the setting is off, the turn ended or
+        went on meanwhile, or another reply is being made)."""
+        if not self.config.preemptive_generation:
+            return False
+        with self._lock:
+            if (self._closed or turn is not self._turn or turn.ended or turn.cancelled.is_set() or turn.pause_at < 0
+                    or until < self._needed(turn) or self._speaking is not None or not self._replies.empty()):
+                return False
+            if turn.attempt is not None and not turn.attempt.stop.is_set():
+                if turn.attempt.text == text:
+                    return True  # already begun on these words
+                self._drop_attempt(turn)
+            turn.attempt = _Attempt(turn, text)
+            self._replies.put(turn.attempt)
+        return True
+
+    def _drop_attempt(self, turn: _Turn) -> None:
+        """The reply begun at the pause answers words that are not the turn's (lock held): end it unheard."""
+        attempt = turn.attempt
+        if attempt is None or attempt.confirmed:
+            return
+        attempt.stop.set()
+        turn.attempt = None
+        turn.trace.info["replies_dropped"] = turn.trace.info.get("replies_dropped", 0) + 1
+        self._confirmations.notify_all()
 
     # --- reply worker ---------------------------------------------------------------------------
 
@@ -544,7 +617,7 @@ class VoiceLoop:
 
     def _ask_prepare(self, user_text: str) -> None:
         """From an ASR worker: the reply worker reads the user's words so far into the agent, if it is idle."""
-        if not self.config.prepare_at_pause or getattr(self.agent, "prepare", None) is None:
+        if not self.config.read_ahead or getattr(self.agent, "prepare", None) is None:
             return
         with self._lock:
             if self._speaking is not None:
@@ -555,65 +628,85 @@ class VoiceLoop:
     def _reply_worker(self) -> None:
         self._prepare_agent()
         while True:
-            turn = self._replies.get()
-            if turn is None:
+            item = self._replies.get()
+            if item is None:
                 return
-            if turn is _PREPARE:
+            if item is _PREPARE:
                 with self._lock:
                     text, self._prepare_text = self._prepare_text, None
                 if text is not None and self._replies.empty():  # no reply waits behind it
                     self._prepare_agent(text)
                 continue
+            attempt = item if isinstance(item, _Attempt) else None
+            turn = attempt.turn if attempt is not None else item
             with self._lock:
+                if attempt is not None and not attempt.confirmed and attempt.stop.is_set():
+                    continue  # dropped before it began: the turn is still being spoken, or answered afresh
                 if turn.cancelled.is_set() or self._closed:
+                    if self._speaking is turn:
+                        self._speaking = None
                     self._finish(turn)
                     continue
-                self._speaking = turn
+                if attempt is None:
+                    self._speaking = turn
             try:
-                self._reply(turn)
+                self._reply(turn, attempt)
             except Exception as err:  # an agent or TTS failure ends this reply, not the loop
                 log.exception("reply failed")
-                turn.trace.info["status"] = "error"
-                turn.trace.info["error"] = str(err)
-                self._emit([LoopEvent("error", turn.turn_id, f"reply failed: {err}")])
-                self._emit_interrupted(turn)
+                with self._lock:
+                    if attempt is not None and not attempt.confirmed:
+                        self._drop_attempt(turn)  # the turn's own reply is made at its end
+                if attempt is None or attempt.confirmed:
+                    turn.trace.info["status"] = "error"
+                    turn.trace.info["error"] = str(err)
+                    self._emit([LoopEvent("error", turn.turn_id, f"reply failed: {err}")])
+                    self._emit_interrupted(turn)
             finally:
                 with self._lock:
-                    self._speaking = None
-                    if turn.audio_pushed:
-                        self._last_spoken = turn
-                    self._finish(turn)
+                    if attempt is None or attempt.confirmed:
+                        if self._speaking is turn:
+                            self._speaking = None
+                        if turn.audio_pushed:
+                            self._last_spoken = turn
+                        self._finish(turn)
             if self._replies.empty():
                 self._prepare_agent()
 
-    def _reply(self, turn: _Turn) -> None:
-        assert turn.final_text is not None
+    def _reply(self, turn: _Turn, attempt: _Attempt | None = None) -> None:
+        """Stream the agent's reply through TTS into the sink. A reply begun at the pause (attempt) holds its
+        events and audio until confirmed, and ends unheard when dropped."""
+        user_text = attempt.text if attempt is not None else turn.final_text
+        stop = attempt.stop if attempt is not None else turn.cancelled
+        assert user_text is not None
         with self._lock:
             history = list(self.conversation)
-        written = self.agent.stream_reply(turn.final_text, history, cancelled=turn.cancelled)
+        self._stamp(turn, attempt, "reply_start")
+        written = self.agent.stream_reply(user_text, history, cancelled=stop)
         stream = spoken_stream(written)  # as it will be said: no lists, markup or figures
         splitter = SentenceSplitter(first_clause_min_words=self.config.first_clause_min_words)
         reply: list[str] = []
         try:
             for chunk in stream:
-                if turn.cancelled.is_set():
+                if stop.is_set():
                     break
                 if not chunk:
                     continue
-                turn.trace.mark("reply_first_text")
+                self._stamp(turn, attempt, "reply_first_text")
                 reply.append(chunk)
-                self._emit([LoopEvent("agent_text", turn.turn_id, chunk)])
-                if not all(self._speak(turn, sentence) for sentence in splitter.push(chunk)):
+                self._publish(attempt, [LoopEvent("agent_text", turn.turn_id, chunk)])
+                if not all(self._speak(turn, attempt, sentence) for sentence in splitter.push(chunk)):
                     break
             else:
                 for sentence in splitter.flush():
-                    if not self._speak(turn, sentence):
+                    if not self._speak(turn, attempt, sentence):
                         break
         finally:
             stream.close()
             close = getattr(written, "close", None)
             if close is not None:
                 close()  # ends generation now: a local model's, or the HTTP stream of an endpoint
+        if attempt is not None and not self._await_confirmation(attempt):
+            return  # dropped: nothing of it was shown or heard
         text = "".join(reply).strip()
         turn.trace.info["reply_text"] = text
         if turn.cancelled.is_set():
@@ -621,24 +714,54 @@ class VoiceLoop:
         else:
             self._emit([LoopEvent("agent_done", turn.turn_id, text)])
 
+    def _stamp(self, turn: _Turn, attempt: _Attempt | None, name: str) -> None:
+        """Stamp the turn's trace now, or hold the stamp with a reply not yet confirmed."""
+        with self._lock:
+            if attempt is not None and not attempt.confirmed:
+                attempt.held_stamps.setdefault(name, now())
+            else:
+                turn.trace.mark(name)
+
+    def _publish(self, attempt: _Attempt | None, events: list[LoopEvent]) -> None:
+        """Emit events, or hold them with a reply not yet confirmed (what it held goes first once it is)."""
+        with self._lock:
+            if attempt is not None:
+                if not attempt.confirmed:
+                    attempt.held_events.extend(events)
+                    return
+                events, attempt.held_events = [*attempt.held_events, *events], []
+        self._emit(events)
+
+    def _await_confirmation(self, attempt: _Attempt) -> bool:
+        """Wait until the reply begun at the pause is confirmed (True; its held events are emitted) or dropped."""
+        with self._lock:
+            while not attempt.confirmed and not attempt.stop.is_set():
+                self._confirmations.wait(0.5)
+        if attempt.confirmed:
+            self._publish(attempt, [])
+        return attempt.confirmed
+
     def _emit_interrupted(self, turn: _Turn) -> None:
         """A reply that ended early (a barge-in, a stop, a failure): what of it was heard."""
         with self._lock:
             heard = turn.heard()
         self._emit([LoopEvent("agent_interrupted", turn.turn_id, heard)])
 
-    def _speak(self, turn: _Turn, sentence: str) -> bool:
-        """Synthesize one sentence into the sink; False once the reply was cancelled."""
+    def _speak(self, turn: _Turn, attempt: _Attempt | None, sentence: str) -> bool:
+        """Synthesize one sentence into the sink, once the reply is confirmed; False once it was cancelled."""
         rate = self.config.output_sample_rate
+        stop = attempt.stop if attempt is not None else turn.cancelled
         recorded = False
         for audio in self.tts.synthesize(sentence):
-            if turn.cancelled.is_set():
+            if stop.is_set():
+                return False
+            if attempt is not None and not self._await_confirmation(attempt):
                 return False
             pcm = resample(audio, self.tts.sample_rate, rate)
             with self._lock:
                 # Checked under the lock that barge-in holds while it clears the sink,
                 # so no audio can slip in after clear().
-                if turn.cancelled.is_set():
+                if stop.is_set():
                     return False
                 t = now()
                 starts = self.sink.push_audio(pcm, rate)
@@ -652,7 +775,7 @@ class VoiceLoop:
                     turn.spoken.append(sentence)
                     turn.spoken_at.append(plays_from)
                     recorded = True
-        return not turn.cancelled.is_set()
+        return not stop.is_set()
 
     def _emit(self, events: list[LoopEvent]) -> None:
         if self.on_event is None:

@@ -80,6 +80,8 @@ def add_loop_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-silence-ms", type=_milliseconds, default=vad.min_silence_ms, help="silence that ends a turn")
     parser.add_argument("--speech-pad-ms", type=_milliseconds, default=vad.speech_pad_ms, help="audio kept around speech (pre-roll)")
     parser.add_argument("--sample-rate", type=_positive_rate, default=16000, help="reply audio sample rate (16000 for the engine, 48000 for WebRTC)")
+    parser.add_argument("--no-preemptive-generation", dest="preemptive_generation", action="store_false",
+                        help="start the reply only once the end of the turn is confirmed, not at the user's pause")
     parser.add_argument("--trace", default=None, help="append turn traces to this JSON-lines file")
 
 
@@ -96,6 +98,7 @@ def build_loop(args: argparse.Namespace, sink: AudioSink) -> VoiceLoop:
     config = VoiceLoopConfig(
         vad=VADConfig(threshold=args.threshold, min_silence_ms=args.min_silence_ms, speech_pad_ms=args.speech_pad_ms),
         output_sample_rate=args.sample_rate,
+        preemptive_generation=args.preemptive_generation,
         trace_path=args.trace,
     )
     asr = WhisperASR(model=args.asr_model, device=args.device)

@@ -30,6 +30,7 @@ STAMPS = (
     "last_voiced_audio",  # the last voiced chunk of the turn was fed (the user stopped speaking)
     "speech_end",  # VAD decided the turn is over (after min_silence_ms of silence)
     "asr_done",  # the final transcript is known
+    "reply_start",  # the agent was asked (ahead of speech_end when the reply began at the user's pause)
     "reply_first_text",  # the agent produced its first text
     "tts_first_audio",  # the first reply audio was handed to the sink
     "first_speaking_frame",  # engine: first video frame driven by the reply audio
@@ -40,7 +41,7 @@ STAMPS = (
 DURATIONS: dict[str, tuple[str, str]] = {
     "end_of_turn_delay": ("last_voiced_audio", "speech_end"),
     "stt": ("speech_end", "asr_done"),
-    "llm_ttft": ("asr_done", "reply_first_text"),
+    "llm_ttft": ("reply_start", "reply_first_text"),
     "tts_ttfb": ("reply_first_text", "tts_first_audio"),
     # LiveKit's sense: from the user going quiet to the first reply audio, silence wait included.
     "e2e_latency": ("last_voiced_audio", "tts_first_audio"),
