@@ -75,6 +75,9 @@ def models():
 
 
 def make_loop(models, sink, agent=None, events=None, **config) -> VoiceLoop:
+    """A loop on the shared models. Turns end on silence alone unless a test asks for smart_turn: espeak-ng's voice
+    (sample_speech) is not speech the end-of-turn model was trained on."""
+    config.setdefault("turn_detection", "silence")
     asr, tts = models
     on_event = events.append if events is not None else None
     agent = agent or ScriptedAgent(default=["I'm Joe.", "I'm an animated character running right here on your computer."])

@@ -47,7 +47,7 @@ def run_wav_turn(args: argparse.Namespace) -> dict[str, Any]:
         real_time = not args.fast
         clock = feed_audio(loop, audio, real_time=real_time)
         # A recording may stop mid-word: trail it with silence so the turn can end.
-        tail = np.zeros(int((loop.config.vad.min_silence_ms + loop.config.vad.speech_pad_ms + 200) * SAMPLE_RATE / 1000), np.float32)
+        tail = np.zeros(int((loop.vad.config.min_silence_ms + loop.vad.config.speech_pad_ms + 200) * SAMPLE_RATE / 1000), np.float32)
         feed_audio(loop, tail, real_time=real_time, clock=clock)
         if not loop.wait_idle(timeout=args.timeout):
             raise RuntimeError(f"no reply within {args.timeout:.0f} s")

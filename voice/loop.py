@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -33,6 +33,7 @@ from .audio import SAMPLE_RATE, StreamResampler, resample, to_mono_float32
 from .spoken import spoken_stream
 from .trace import SessionTrace, TurnTrace, now
 from .tts import PiperTTS, SentenceSplitter
+from .turn import SmartTurn
 from .vad import WINDOW, StreamingVAD, VADConfig
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,21 @@ class LoopEvent:
     text: str = ""
 
 
+TURN_DETECTION = ("smart_turn", "silence")
+
+
 @dataclass(frozen=True)
 class VoiceLoopConfig:
     vad: VADConfig = field(default_factory=VADConfig)
+    # End of turn (LiveKit's names). "smart_turn": once the user has been silent for min_endpointing_delay, the
+    # Smart Turn model judges their audio; a complete turn ends there, an incomplete one is judged again every
+    # `turn_recheck_s` of silence and ends at max_endpointing_delay at the latest. "silence": vad.min_silence_ms
+    # of silence alone ends a turn.
+    turn_detection: str = "smart_turn"
+    min_endpointing_delay: float = 0.2
+    max_endpointing_delay: float = 1.6
+    turn_recheck_s: float = 0.3
+    turn_threshold: float = 0.5  # Smart Turn's probability of a complete turn at or above which it ends
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
     barge_in: bool = True
@@ -107,6 +120,23 @@ class VoiceLoopConfig:
     read_ahead: bool = True
     max_chunk_s: float = 60.0  # longest single feed() call
     trace_path: str | None = None  # JSON-lines file of turn traces
+
+    def __post_init__(self) -> None:
+        if self.turn_detection not in TURN_DETECTION:
+            raise ValueError(f"turn_detection must be one of {', '.join(TURN_DETECTION)}, got {self.turn_detection!r}")
+        if not 0 < self.min_endpointing_delay < self.max_endpointing_delay:
+            raise ValueError("need 0 < min_endpointing_delay < max_endpointing_delay, got "
+                             f"{self.min_endpointing_delay}, {self.max_endpointing_delay}")
+        if not self.turn_recheck_s > 0:
+            raise ValueError(f"turn_recheck_s must be > 0, got {self.turn_recheck_s}")
+        if not 0 < self.turn_threshold < 1:
+            raise ValueError(f"turn_threshold must be between 0 and 1, got {self.turn_threshold}")
+
+    def vad_for_turns(self) -> VADConfig:
+        """The VAD as the loop runs it: with smart_turn, its own silence rule is the max_endpointing_delay."""
+        if self.turn_detection == "silence":
+            return self.vad
+        return replace(self.vad, min_silence_ms=round(self.max_endpointing_delay * 1000))
 
 
 class _AudioHistory:
@@ -162,6 +192,7 @@ class _Turn:
     end: int = -1  # last sample, once VAD ended the turn
     voiced_end: int = -1  # end of the last voiced window
     pause_at: int = -1  # where a silence began while the user was still in the turn
+    judge_at: int = -1  # smart_turn: the next sample of silence at which the end-of-turn model is asked
     last_voiced_t: float = 0.0
     ended: bool = False
     transcripts: list[tuple[int, str, float]] = field(default_factory=list)  # (covered up to sample, text, decode start)
@@ -211,6 +242,7 @@ class VoiceLoop:
         config: VoiceLoopConfig | None = None,
         on_event: Callable[[LoopEvent], None] | None = None,
         trace: SessionTrace | None = None,
+        turn_model: SmartTurn | None = None,
     ) -> None:
         self.config = config or VoiceLoopConfig()
         self.sink = sink
@@ -223,7 +255,11 @@ class VoiceLoop:
         self.tts = tts if tts is not None else PiperTTS()
         self.on_event = on_event
         self.trace = trace if trace is not None else SessionTrace(self.config.trace_path)
-        self.vad = StreamingVAD(self.config.vad)
+        self.vad = StreamingVAD(self.config.vad_for_turns())
+        smart = self.config.turn_detection == "smart_turn"
+        self.turn_model = (turn_model or SmartTurn()) if smart else None
+        self._judging: tuple[_Turn, int, int] | None = None  # (turn, audio up to, its voiced end) for the turn model
+        self._end_vad_segment = False  # the turn model ended the turn: the VAD's segment closes at the next feed
         seconds = self.config.vad.max_speech_s + 15.0
         self._history = _AudioHistory(int(seconds * SAMPLE_RATE))
         self._resampler: StreamResampler | None = None
@@ -250,6 +286,8 @@ class VoiceLoop:
             threading.Thread(target=self._asr_worker, name="voice-asr-2", daemon=True),
             threading.Thread(target=self._reply_worker, name="voice-reply", daemon=True),
         ]
+        if self.turn_model is not None:
+            self._threads.append(threading.Thread(target=self._turn_worker, name="voice-turn", daemon=True))
         for thread in self._threads:
             thread.start()
 
@@ -272,6 +310,9 @@ class VoiceLoop:
             if audio.size == 0:
                 return
         t = now()
+        if self._end_vad_segment:  # set under the lock by the turn worker; the VAD is this thread's alone
+            self._end_vad_segment = False
+            self.vad.end_segment()
         voiced_before = self.vad.last_voiced
         vad_events = self.vad.process(audio)
         events: list[LoopEvent] = []
@@ -290,6 +331,7 @@ class VoiceLoop:
                     self._drop_attempt(turn)  # the user went on: a reply begun at their pause is stale
                 silence = self.vad.silence_start
                 turn.pause_at = silence if silence else -1
+                self._ask_judge(turn)
             self._asr_wake.notify_all()
         self._emit(events)
 
@@ -311,10 +353,11 @@ class VoiceLoop:
         return self.trace.mark(turn_id, name, t)
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
-        """Block until every ended turn has been answered (or dropped); False on timeout."""
+        """Block until every ended turn has been answered (or dropped), and a pending end-of-turn judgement is in;
+        False on timeout."""
         deadline = now() + timeout
         with self._idle:
-            while self._busy > 0:
+            while self._busy > 0 or self._judging is not None:
                 left = deadline - now()
                 if left <= 0:
                     return False
@@ -391,6 +434,51 @@ class VoiceLoop:
             turn.trace.info["continues_turn"] = previous.turn_id
         self._turn = turn
         events.append(LoopEvent("speech_start", turn.turn_id))
+
+    def _ask_judge(self, turn: _Turn) -> None:
+        """smart_turn: wake the turn worker once the silence after the last voiced audio is long enough (lock held)."""
+        if self.turn_model is None or turn.pause_at < 0 or self._judging is not None:
+            return
+        delay = self.config.min_endpointing_delay if turn.judge_at < turn.voiced_end else 0.0
+        due = max(turn.judge_at, turn.voiced_end + int(delay * SAMPLE_RATE))
+        if self._history.total >= due:
+            self._judging = (turn, self._history.total, turn.voiced_end)
+            self._asr_wake.notify_all()
+
+    def _turn_worker(self) -> None:
+        """smart_turn: ask the model whether the turn is complete; a complete one ends now (its VAD segment closes at
+        the next feed), an incomplete one is asked again after turn_recheck_s more silence."""
+        assert self.turn_model is not None
+        while True:
+            with self._lock:
+                while self._judging is None and not self._closed:
+                    self._asr_wake.wait()
+                if self._closed:
+                    return
+                turn, until, voiced_end = self._judging
+                audio = self._history.slice(max(turn.start, until - 8 * SAMPLE_RATE), until)
+            started = now()
+            try:
+                probability = self.turn_model.complete_probability(audio)
+            except Exception as err:  # the silence rule still ends the turn
+                log.exception("end-of-turn model failed")
+                probability = None
+                self._emit([LoopEvent("error", turn.turn_id, f"end-of-turn model failed: {err}")])
+            with self._lock:
+                self._judging = None
+                self._idle.notify_all()
+                if turn is not self._turn or turn.ended or turn.voiced_end != voiced_end or probability is None:
+                    continue  # the user went on (their next pause is judged afresh) or the turn is over
+                judged = turn.trace.info.setdefault("turn_judgements", [])
+                judged.append({"silence_s": round((until - voiced_end) / SAMPLE_RATE, 3),
+                               "probability": round(probability, 3), "model_s": round(now() - started, 3)})
+                if probability >= self.config.turn_threshold:
+                    pad = self.config.vad.speech_pad_ms * SAMPLE_RATE // 1000
+                    self._on_speech_end(min(voiced_end + pad, until), voiced_end, "smart_turn", now())
+                    self._end_vad_segment = True
+                    self._asr_wake.notify_all()
+                else:
+                    turn.judge_at = until + int(self.config.turn_recheck_s * SAMPLE_RATE)
 
     def _on_speech_end(self, end: int, last_voiced: int, reason: str, t: float) -> None:
         turn = self._turn

