@@ -74,6 +74,17 @@ def models():
     return WhisperASR(device="cpu"), PiperTTS(use_cuda=False)
 
 
+class HeardOutLoop(VoiceLoop):
+    """Leaving its `with` block lets the last reply play out before closing: a close while it plays is a Stop, which
+    cuts the reply (tests that mean a Stop call close() themselves)."""
+
+    def __exit__(self, *exc: object) -> None:
+        deadline = time.monotonic() + 30
+        while self.is_speaking and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.close()
+
+
 def make_loop(models, sink, agent=None, events=None, **config) -> VoiceLoop:
     """A loop on the shared models. Turns end on silence alone unless a test asks for smart_turn: espeak-ng's voice
     (sample_speech) is not speech the end-of-turn model was trained on."""
@@ -81,7 +92,7 @@ def make_loop(models, sink, agent=None, events=None, **config) -> VoiceLoop:
     asr, tts = models
     on_event = events.append if events is not None else None
     agent = agent or ScriptedAgent(default=["I'm Joe.", "I'm an animated character running right here on your computer."])
-    return VoiceLoop(sink, agent=agent, asr=asr, tts=tts, config=VoiceLoopConfig(**config), on_event=on_event)
+    return HeardOutLoop(sink, agent=agent, asr=asr, tts=tts, config=VoiceLoopConfig(**config), on_event=on_event)
 
 
 def wait_for(predicate, timeout: float = 20.0) -> bool:
@@ -256,6 +267,42 @@ def test_a_reply_still_queued_in_the_sink_is_still_speaking_and_can_be_cut(model
     assert text_of(events, "agent_interrupted") == [""]  # it had not started playing
 
 
+def test_stop_while_a_reply_plays_keeps_what_was_heard_and_marks_it_interrupted(models, tmp_path):
+    """Stop (close) in the middle of a reply whose audio is all in the sink and still playing: the sink is cleared,
+    the reply is cut back to what had begun to play, reported interrupted, and its record says so."""
+    story = ["Once upon a time, in a small village by the cold grey sea, there stood a tall white lighthouse.",
+             "It stood on a rock for a hundred years.", "Every night its keeper climbed the stairs."]
+    sink, events = FakeEngineSink(), []
+    path = tmp_path / "trace.jsonl"
+    loop = make_loop(models, sink, agent=ScriptedAgent(story), events=events, trace_path=str(path))
+    clock = feed_audio(loop, question("Tell me a story.", after_s=0.6))
+    while not (loop.trace.turns and loop.trace.turns[0].written):
+        clock = feed_audio(loop, np.zeros(512, np.float32), clock=clock)
+    assert loop.is_speaking  # the reply is all in the sink, its first sentence playing
+    loop.close()
+    assert len(sink.clears()) == 1
+    assert text_of(events, "agent_interrupted") == [story[0]]
+    record = [r for r in read_jsonl(path) if r["turn_id"] == 1][-1]
+    assert record["status"] == "interrupted" and "stopped" in record["stamps"]
+    assert loop.conversation[-1][1] == story[0]
+
+
+def test_stop_while_a_reply_is_being_made_ends_it_and_marks_it_interrupted(models, tmp_path):
+    sink, events = LaggingSink(), []
+    path = tmp_path / "trace.jsonl"
+    agent = PacedAgent(LONG_REPLY, token_s=0.05)
+    loop = make_loop(models, sink, agent=agent, events=events, trace_path=str(path))
+    feed_audio(loop, question("Tell me a long story."), real_time=False)
+    assert wait_for(lambda: sink.pushes(), 20)
+    loop.close()
+    assert len(sink.clears()) == 1
+    assert text_of(events, "agent_interrupted") == [""]  # the sink had not begun to play any of it
+    assert "agent_done" not in kinds(events)
+    [record] = read_jsonl(path)
+    assert record["status"] == "interrupted" and "stopped" in record["stamps"]
+    assert agent.made[0] < sum(len(s.split()) for s in LONG_REPLY)  # generation stopped
+
+
 def test_a_monologue_is_answered_in_bounded_turns_none_lost(models):
     """70 s of talk with only short pauses: each pause ends a turn and the next start joins it on, but not past
     half of max_speech_s, so every turn's audio stays in the history; each turn is answered, in order."""
@@ -419,6 +466,7 @@ def test_failing_agent_and_callback_do_not_stop_the_loop(models):
         assert loop.wait_idle(30)
         feed_audio(loop, question("How are you?"), real_time=False)
         assert loop.wait_idle(30)
+        assert wait_for(lambda: not loop.is_speaking)  # heard to the end (a close before that is a Stop)
     first, second = loop.trace.turns
     assert first.info["status"] == "error" and "unreachable" in first.info["error"]
     assert second.info["status"] == "completed" and sink.pushes()

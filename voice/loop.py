@@ -365,13 +365,26 @@ class VoiceLoop:
         return True
 
     def close(self) -> None:
-        """Stop the workers and cancel any reply; safe to call twice."""
+        """Stop the workers and cut any reply where it is (a Stop): a reply being made, or one still playing, is kept
+        as far as it was heard and marked interrupted, as a barge-in would leave it; safe to call twice."""
+        events: list[LoopEvent] = []
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            t = now()
+            playing = t < self._playout_until
+            if self._speaking is not None or playing:
+                self.sink.clear()
+                self._playout_until = t
             if self._speaking is not None:
-                self._speaking.cancel()  # the reply worker writes its trace
+                self._speaking.barge_in_t = t  # heard() keeps what had begun to play by now
+                self._speaking.trace.mark("stopped", t)
+                self._speaking.trace.info.setdefault("status", "interrupted")
+                self._speaking.cancel()  # the reply worker reports it and writes its trace
+            elif playing and self._last_spoken is not None and self._last_spoken.barge_in_t is None:
+                self._last_spoken.barge_in_t = t
+                self._cut_short_after_the_fact(self._last_spoken, t, events, stamp="stopped")
             for waiting in self._settling:  # ended, their transcripts never to come now
                 self._cancel(waiting, "closed")
             if self._turn is not None:
@@ -380,6 +393,7 @@ class VoiceLoop:
                 self._turn.cancel()
             self._asr_wake.notify_all()
             self._confirmations.notify_all()
+        self._emit(events)
         self._replies.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
@@ -491,7 +505,7 @@ class VoiceLoop:
         turn.trace.info.update(end_reason=reason, audio_s=round((end - turn.start) / SAMPLE_RATE, 3))
         self._busy += 1
 
-    def _cut_short_after_the_fact(self, turn: _Turn, t: float, events: list[LoopEvent]) -> None:
+    def _cut_short_after_the_fact(self, turn: _Turn, t: float, events: list[LoopEvent], stamp: str = "barge_in") -> None:
         """A barge-in on a reply already written (lock held): its record is rewritten as interrupted, what the agent
         remembers of it is cut to what was heard, and the cut-short reply is reported."""
         said = " ".join(turn.spoken)
@@ -500,7 +514,7 @@ class VoiceLoop:
                 self.conversation[i] = (turn.final_text, turn.heard())
                 break
         turn.trace.info["status"] = "interrupted"
-        self.trace.mark(turn.turn_id, "barge_in", t)  # appends the updated record
+        self.trace.mark(turn.turn_id, stamp, t)  # appends the updated record
         events.append(LoopEvent("agent_interrupted", turn.turn_id, turn.heard()))
 
     def _cancel(self, turn: _Turn, status: str) -> None:
