@@ -102,13 +102,15 @@ TURN_DETECTION = ("smart_turn", "silence")
 class VoiceLoopConfig:
     vad: VADConfig = field(default_factory=VADConfig)
     # End of turn (LiveKit's names). "smart_turn": once the user has been silent for min_endpointing_delay, the
-    # Smart Turn model judges their audio; a complete turn ends there, an incomplete one is judged again every
-    # `turn_recheck_s` of silence and ends at max_endpointing_delay at the latest. "silence": vad.min_silence_ms
-    # of silence alone ends a turn.
+    # Smart Turn model judges their audio; a complete turn ends as soon as it answers, an incomplete one is judged
+    # again every `turn_recheck_s` of silence and ends at max_endpointing_delay at the latest. "silence":
+    # vad.min_silence_ms of silence alone ends a turn.
     turn_detection: str = "smart_turn"
-    min_endpointing_delay: float = 0.2
+    min_endpointing_delay: float = 0.1
     max_endpointing_delay: float = 1.6
     turn_recheck_s: float = 0.3
+    # The model was trained on turns that end in ~0.2 s of silence: a shorter silence is shown padded to this.
+    turn_model_silence_s: float = 0.2
     turn_threshold: float = 0.5  # Smart Turn's probability of a complete turn at or above which it ends
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
@@ -471,6 +473,9 @@ class VoiceLoop:
                     return
                 turn, until, voiced_end = self._judging
                 audio = self._history.slice(max(turn.start, until - 8 * SAMPLE_RATE), until)
+            padding = int(self.config.turn_model_silence_s * SAMPLE_RATE) - (until - voiced_end)
+            if padding > 0:
+                audio = np.concatenate([audio, np.zeros(padding, np.float32)])
             started = now()
             try:
                 probability = self.turn_model.complete_probability(audio)
