@@ -375,8 +375,8 @@ def test_the_reply_begins_at_the_pause_and_is_heard_only_after_the_end_of_turn(m
     trace_path = tmp_path / "turns.jsonl"
     # A long silence wait, so the transcript made at the pause is in well before the end of the turn.
     with make_loop(models, sink, agent=agent, events=events, trace_path=str(trace_path),
-                   vad=VADConfig(min_silence_ms=1200)) as loop:
-        feed_audio(loop, question("What is your name?", after_s=2.0), real_time=True)
+                   vad=VADConfig(min_silence_ms=2000)) as loop:
+        feed_audio(loop, question("What is your name?", after_s=3.0), real_time=True)
         assert loop.wait_idle(30)
     [record] = read_jsonl(trace_path)
     stamps = record["stamps"]
@@ -395,8 +395,8 @@ def test_a_reply_begun_at_a_pause_is_dropped_unheard_when_the_user_goes_on(model
     agent = PacedAgent(default=["Green is a lovely colour, and I like it a lot too."], token_s=0.1)
     trace_path = tmp_path / "turns.jsonl"
     with make_loop(models, sink, agent=agent, events=events, trace_path=str(trace_path),
-                   vad=VADConfig(min_silence_ms=1500)) as loop:
-        first = with_silence(sample_speech("My favourite colour is green."), before_s=0.4, after_s=0.9)
+                   vad=VADConfig(min_silence_ms=2500)) as loop:
+        first = with_silence(sample_speech("My favourite colour is green."), before_s=0.4, after_s=1.5)
         clock = feed_audio(loop, first, real_time=True)  # a pause shorter than the silence wait
         assert agent.heard  # the reply began on the words so far
         rest = with_silence(sample_speech("What is yours?"), before_s=0.0, after_s=2.0)

@@ -687,7 +687,7 @@ class VoiceLoop:
             return False
         with self._lock:
             if (self._closed or turn is not self._turn or turn.ended or turn.cancelled.is_set() or turn.pause_at < 0
-                    or until < self._needed(turn) or self._speaking is not None or not self._replies.empty()):
+                    or until < self._needed(turn) or self._speaking is not None or self._reply_waiting()):
                 return False
             if turn.attempt is not None and not turn.attempt.stop.is_set():
                 if turn.attempt.text == text:
@@ -696,6 +696,11 @@ class VoiceLoop:
             turn.attempt = _Attempt(turn, text)
             self._replies.put(turn.attempt)
         return True
+
+    def _reply_waiting(self) -> bool:
+        """A turn or a reply begun early is queued for the reply worker (a read-ahead request does not count)."""
+        with self._replies.mutex:
+            return any(item is not _PREPARE for item in self._replies.queue)
 
     def _drop_attempt(self, turn: _Turn) -> None:
         """The reply begun at the pause answers words that are not the turn's (lock held): end it unheard."""
