@@ -399,7 +399,7 @@ def test_a_reply_begun_at_a_pause_is_dropped_unheard_when_the_user_goes_on(model
         first = with_silence(sample_speech("My favourite colour is green."), before_s=0.4, after_s=1.5)
         clock = feed_audio(loop, first, real_time=True)  # a pause shorter than the silence wait
         assert agent.heard  # the reply began on the words so far
-        rest = with_silence(sample_speech("What is yours?"), before_s=0.0, after_s=2.0)
+        rest = with_silence(sample_speech("What is yours?"), before_s=0.0, after_s=3.5)
         feed_audio(loop, rest, real_time=True, clock=clock)
         assert loop.wait_idle(30)
     [record] = read_jsonl(trace_path)
