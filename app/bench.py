@@ -7,7 +7,9 @@ The whole app runs: its web server in this process, Debian's chromium driven by 
 with a WAV of spoken questions as its microphone (each followed by silence for the reply),
 the real engine and the real voice loop. Delivery is the browser's own report: the first
 onset of the character's voice it played, on this process's clock through the data
-channel's clock sync. Prints the per-turn stages and their median and p95.
+channel's clock sync. Prints the per-turn stages and their median and p95, and what the
+microphone brought the voice loop: its peak level and how much of each question was heard
+(the browser's processing of it is the app's mic_* settings; --noise-rms puts noise under the questions).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import socket
 import sys
 import tempfile
@@ -46,6 +49,20 @@ def undelivered_turns(all_records: list[dict[str, Any]], delivered: list[dict[st
             for r in all_records if r["turn_id"] not in delivered_ids]
 
 
+def word_recall(questions: list[str], transcripts: list[str]) -> float:
+    """Mean over the questions of the share of a question's words in the transcript that holds most of them:
+    1.0 when every question was heard whole, less for a first or last word cut off."""
+    def words(text: str) -> list[str]:
+        return re.findall(r"[a-z0-9']+", text.lower())
+
+    shares = []
+    for question in questions:
+        asked = words(question)
+        heard = [set(words(t)) for t in transcripts] or [set()]
+        shares.append(max(sum(w in h for w in asked) for h in heard) / len(asked))
+    return sum(shares) / len(shares)
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """The report; the questions' WAV and the session log live in a folder removed at the end."""
     with tempfile.TemporaryDirectory(prefix="talkloop-bench-") as tmp:
@@ -64,7 +81,8 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     config = build_config(args.config, dict(spec=args.spec, device=args.device, port=free_port(), record=False,
                                             session_log=str(tmp / "sessions.jsonl")))
     questions = QUESTIONS[: args.utterances]
-    wav = conversation_wav(tmp / "questions.wav", [sample_speech(q) for q in questions], gap_s=args.gap_s)
+    wav = conversation_wav(tmp / "questions.wav", [sample_speech(q) for q in questions], gap_s=args.gap_s,
+                           noise_rms=args.noise_rms)
     controller = Controller(config)
     if controller.failures():
         raise RuntimeError("; ".join(controller.failures()))
@@ -93,6 +111,7 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         controller.close()
         stop_server(server, thread)
     records = delivered_turns(live) if live is not None else []
+    heard = [r.get("user_text", "") for r in live.turn_records()] if live is not None else []
     undelivered = undelivered_turns(live.turn_records(), records) if live is not None else []
     turns = [{"turn": r["turn_id"], "transcript": r.get("user_text", ""), "reply": r.get("reply_text", ""),
               "stages_ms": {k: round(1000 * v, 1) for k, v in turn_stages(r).items()}} for r in records]
@@ -107,6 +126,8 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "engine": {k: health.get(k) for k in ("fps", "step_ms_p50", "step_ms_p95", "underruns", "buffer_depth", "lead", "av_offset_ms")},
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
         "load_average_before": [round(x, 2) for x in load_before],
+        "microphone": {"constraints": config.microphone_constraints(), "peak": round(live.mic_peak, 3) if live else None,
+                       "word_recall": round(word_recall(list(questions), heard), 3)},
         "utterances_asked": len(questions), "turns_measured": len(records),
         "turns": turns, "turns_not_delivered": undelivered,
         "stages_s": {label: summary[key] for key, label, *_ in (*STAGES, TOTAL)},
@@ -124,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="YAML settings for the app (agent, VAD, placement...)")
     p.add_argument("--utterances", type=int, default=5, help="turns to measure (at most 10)")
     p.add_argument("--gap-s", type=float, default=9.0, help="silence after each question, for the reply")
+    p.add_argument("--noise-rms", type=float, default=0.0, help="white noise of this level under the questions "
+                   "(the microphone's noise suppression: mic_noise_suppression)")
     p.add_argument("--screenshot", default=None, help="save the page as a PNG at the end")
     args = p.parse_args(argv)
     if not 1 <= args.utterances <= 10:

@@ -12,7 +12,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,13 +36,18 @@ def chromium_path() -> str:
     return path
 
 
-def conversation_wav(path: str | Path, utterances: list[np.ndarray], lead_s: float = 1.5, gap_s: float = 8.0) -> Path:
-    """16 kHz utterances, each after lead_s of silence and followed by gap_s for the reply."""
+def conversation_wav(path: str | Path, utterances: list[np.ndarray], lead_s: float = 1.5, gap_s: float = 8.0,
+                     noise_rms: float = 0.0) -> Path:
+    """16 kHz utterances, each after lead_s of silence and followed by gap_s for the reply; with noise_rms, white
+    noise of that level under all of it (the same noise each time)."""
     silence = lambda s: np.zeros(int(s * SAMPLE_RATE), np.float32)  # noqa: E731
     parts = []
     for speech in utterances:
         parts += [silence(lead_s), speech.astype(np.float32), silence(gap_s)]
-    return write_wav(path, np.concatenate(parts), SAMPLE_RATE)
+    audio = np.concatenate(parts)
+    if noise_rms > 0:
+        audio += np.random.default_rng(0).normal(0.0, noise_rms, audio.shape).astype(np.float32)
+    return write_wav(path, audio, SAMPLE_RATE)
 
 
 def start_server(controller) -> tuple[object, threading.Thread]:
@@ -78,10 +85,14 @@ def launch_chromium(playwright, wav: str | Path | None, *, deny_microphone: bool
     return playwright.chromium.launch(executable_path=chromium_path(), headless=True, args=args)
 
 
-def start_in_browser(playwright, wav: str | Path | None, port: int, *, deny_microphone: bool = False):
-    """(browser, page): chromium with `wav` as its microphone on the app at `port`, Start pressed."""
+def start_in_browser(playwright, wav: str | Path | None, port: int, *, deny_microphone: bool = False,
+                     before_load: Callable[[Any], None] | None = None):
+    """(browser, page): chromium with `wav` as its microphone on the app at `port`, Start pressed.
+    `before_load(page)` runs before the page is opened (listeners, init scripts)."""
     browser = launch_chromium(playwright, wav, deny_microphone=deny_microphone)
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    if before_load is not None:
+        before_load(page)
     page.goto(f"http://127.0.0.1:{port}/")
     page.click("#tl-start")
     return browser, page

@@ -50,6 +50,11 @@ class AppConfig:
                                        "a fallback, seconds behind)")
     # Voice
     audio_input: str = setting("browser", "microphone: the browser's, or local (this machine's own)")
+    # The browser's own processing of its microphone (getUserMedia constraints; docs/app.md, "The browser's microphone")
+    mic_echo_cancellation: bool = setting(True, "browser microphone: echo cancellation (keeps the character's voice "
+                                                "from the speakers out of it)")
+    mic_auto_gain: bool = setting(False, "browser microphone: automatic gain control (on, it cut first and last words)")
+    mic_noise_suppression: bool = setting(False, "browser microphone: noise suppression")
     agent: str = setting("local", "replies: local (a small language model in this process) or openai "
                                   "(an OpenAI-compatible endpoint you run, for bigger models)")
     llm: str = setting("qwen2.5-1.5b", "agent local: the language model (qwen2.5-1.5b, or the lighter qwen2.5-0.5b)")
@@ -91,6 +96,11 @@ class AppConfig:
             if not ok:
                 raise ValueError(message)
         return self
+
+    def microphone_constraints(self) -> dict[str, bool]:
+        """The browser microphone's processing, as getUserMedia's audio constraints name it."""
+        return {"echoCancellation": self.mic_echo_cancellation, "autoGainControl": self.mic_auto_gain,
+                "noiseSuppression": self.mic_noise_suppression}
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -88,6 +88,7 @@ class LiveSession:
         self._lock = threading.Lock()
         self._pump: threading.Thread | None = None
         self.av_offsets_ms: deque[float] = deque(maxlen=30)  # the browser's video - audio playout estimates
+        self.mic_peak = 0.0  # the loudest microphone sample fed (full scale 1.0): the browser's gain shows in it
         self.stopping = threading.Event()  # set when stop() begins: the voice loop is about to close
         self.closed = threading.Event()  # set once stop() has closed everything
         self.on_failure: Callable[["LiveSession"], None] | None = None
@@ -131,6 +132,8 @@ class LiveSession:
         except RuntimeError:  # "VoiceLoop is closed": stop() closed it after the check above
             if not self.stopping.is_set():
                 raise
+            return
+        self.mic_peak = max(self.mic_peak, float(np.max(np.abs(pcm))))  # the loop took it: not empty, finite
 
     def mark_turn(self, turn_id: int, name: str, t: float) -> None:
         """A stamp from outside the server (the browser's delivery report), on this session's clock."""

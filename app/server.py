@@ -39,7 +39,7 @@ def build_api(controller: Controller) -> FastAPI:
 
     @api.get("/talkloop/client-config")
     async def client_config() -> dict:
-        return {"audio_input": controller.config.audio_input}
+        return {"audio_input": controller.config.audio_input, "microphone": controller.config.microphone_constraints()}
 
     @api.post("/talkloop/offer")
     async def offer(request: Request):
@@ -81,11 +81,12 @@ def build_app(controller: Controller):
     """The ASGI app: signalling routes, then Gradio's page at /; recordings may be served for replay."""
     import gradio as gr
 
-    from app.ui import build_ui
+    from app.ui import build_ui, page_settings
 
     recordings = recordings_folder(controller.config.recordings_dir)
     with contextlib.redirect_stdout(sys.stderr):  # mount_gradio_app prints; stdout is for --json output
-        return gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)])
+        return gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)],
+                                   **page_settings())
 
 
 def recordings_folder(recordings_dir: str) -> Path:

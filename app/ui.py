@@ -3,9 +3,7 @@ panel beside the engine's health, and the recorded sessions with their latency p
 
 from __future__ import annotations
 
-import contextlib
 import html
-import warnings
 from typing import Any
 
 import gradio as gr
@@ -17,19 +15,6 @@ from app.recorder import find_recording, list_recordings
 from engine.character import PRESETS
 from engine.config import get_spec
 from voice.personas import persona_for
-
-# Gradio 5 announces Gradio 6 changes for settings whose Gradio 5 behaviour this app relies on: Chatbot's
-# allow_tags=False (it warns unless allow_tags=True), HTML's padding (it warns while padding is True, its
-# default), theme and head in the Blocks constructor (Gradio 5's launch() takes neither).
-_GRADIO6_NOTICES = (r"The default value of '(allow_tags|padding)' in gr\.(Chatbot|HTML)"
-                    r"|The '(theme|head)' parameter in the Blocks constructor")
-
-
-@contextlib.contextmanager
-def _gradio6_notices_silenced():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_GRADIO6_NOTICES, category=DeprecationWarning)
-        yield
 
 STAGE_HTML = """
 <div id="tl-stage">
@@ -43,6 +28,8 @@ HEAD = '<link rel="stylesheet" href="/talkloop/static/talkloop.css"><script src=
 
 
 INTERRUPTED = " (interrupted)"  # after a reply cut short by the user or a stop
+# Copy buttons only: Gradio 6 also shows "share" (to Hugging Face Discussions) by default, and the page reaches no one outside
+CHAT_BUTTONS = ["copy", "copy_all"]
 
 
 def _messages(lines) -> list[dict[str, str]]:
@@ -130,12 +117,9 @@ def build_ui(controller: Controller) -> gr.Blocks:
                  for row in rec.transcript() if row.get("text")]
         return str(rec.video), render_panel(rec.trace()), lines
 
-    # System fonts: the default theme would fetch web fonts, and the app reaches no one outside.
-    theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
     # Gradio copies each replayed recording into its cache (again while the recording is still being written):
     # copies a day old go, checked hourly, so that replays over days do not fill the disk
-    with _gradio6_notices_silenced(), gr.Blocks(title="talkloop", analytics_enabled=False, head=HEAD, theme=theme,
-                                                delete_cache=REPLAY_CACHE_CLEANUP) as demo:
+    with gr.Blocks(title="talkloop", analytics_enabled=False, delete_cache=REPLAY_CACHE_CLEANUP) as demo:
         gr.Markdown("# talkloop: talk to the character")
         with gr.Tab("Live"):
             with gr.Row():
@@ -145,7 +129,7 @@ def build_ui(controller: Controller) -> gr.Blocks:
                     else:
                         stage = gr.Video(streaming=True, autoplay=True, show_label=False, elem_id="tl-hls-video")
                         mic = (gr.Audio(sources=["microphone"], streaming=True, type="numpy", label="microphone",
-                                        elem_id="tl-hls-mic") if config.audio_input == "browser" else None)
+                                        elem_id="tl-hls-mic", buttons=[]) if config.audio_input == "browser" else None)
                     with gr.Row():
                         preset = gr.Dropdown(choices=list(PRESETS), value=config.preset, label="character", elem_id="tl-preset")
                         record = gr.Checkbox(value=config.record, label="record this session", elem_id="tl-record")
@@ -157,8 +141,8 @@ def build_ui(controller: Controller) -> gr.Blocks:
                     session_text = gr.Markdown(elem_id="tl-session")
                     failures = gr.HTML(elem_id="tl-failures")
                 with gr.Column(scale=2):
-                    transcript = gr.Chatbot(type="messages", label="conversation", elem_id="tl-transcript", height=420,
-                                            allow_tags=False)
+                    transcript = gr.Chatbot(label="conversation", elem_id="tl-transcript", height=420, allow_tags=False,
+                                            buttons=CHAT_BUTTONS)
             with gr.Row():
                 with gr.Column(scale=3):
                     gr.Markdown("### Latency per turn")
@@ -172,8 +156,8 @@ def build_ui(controller: Controller) -> gr.Blocks:
                 refresh_btn = gr.Button("Refresh list", elem_id="tl-recordings-refresh")
             with gr.Row():
                 video = gr.Video(label="session", elem_id="tl-replay-video")
-                replay_transcript = gr.Chatbot(type="messages", label="transcript", elem_id="tl-replay-transcript",
-                                           allow_tags=False)
+                replay_transcript = gr.Chatbot(label="transcript", elem_id="tl-replay-transcript", allow_tags=False,
+                                               buttons=CHAT_BUTTONS)
             replay_latency = gr.HTML(elem_id="tl-replay-latency")
 
         timer = gr.Timer(0.5)
@@ -182,18 +166,23 @@ def build_ui(controller: Controller) -> gr.Blocks:
             # js runs first: Start, Restart and a switch take a ticket; once the server answered, the page connects to
             # the session it names, unless Stop or another click came in between (talkloop.js, afterStart)
             ticket = "(...args) => { window.talkloop.requested(); return args; }"
-            connect = dict(inputs=[session_text], js="(answer) => window.talkloop.afterStart(answer)")
+            # a js step with no outputs returns the empty list of them (Gradio reads any other value as outputs)
+            connect = dict(inputs=[session_text], js="async (answer) => { await window.talkloop.afterStart(answer); return []; }")
             start_btn.click(start, inputs=[preset, record], outputs=[session_text], js=ticket).then(None, **connect)
             # the browser hangs up, then the server ends the session
             stop_btn.click(stop, outputs=[session_text], js="async () => { await window.talkloop.disconnect(); return []; }")
             restart_btn.click(restart, inputs=[preset, record], outputs=[session_text], js=ticket).then(None, **connect)
-            # .input: a pick by the user, once (.change also fires when the value is set, which started two sessions)
-            preset.input(switch, inputs=[preset, record], outputs=[session_text], js=ticket).then(None, **connect)
+            # .select: a pick by the user, once (.change also fires when the value is set, and Gradio 6's .input again
+            # when the list closes, even with no pick: each started a session); always_last: picks made while one is
+            # being started are not dropped, the last one is started after it
+            preset.select(switch, inputs=[preset, record], outputs=[session_text], js=ticket,
+                          trigger_mode="always_last").then(None, **connect)
         else:
             start_btn.click(start, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
             stop_btn.click(stop, outputs=[session_text])
             restart_btn.click(restart, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
-            preset.input(switch, inputs=[preset, record], outputs=[session_text]).then(segments.stream, outputs=[stage])
+            preset.select(switch, inputs=[preset, record], outputs=[session_text],
+                          trigger_mode="always_last").then(segments.stream, outputs=[stage])
             if mic is not None:
                 mic.stream(feed_mic, inputs=[mic], outputs=None, stream_every=0.25)
         preset.change(lambda picked: _persona_text(picked, config.name), inputs=[preset], outputs=[persona],
@@ -202,3 +191,11 @@ def build_ui(controller: Controller) -> gr.Blocks:
         choice.change(replay, inputs=[choice], outputs=[video, replay_latency, replay_transcript])
         demo.load(recordings_choices, outputs=[choice])
     return demo
+
+
+def page_settings() -> dict[str, Any]:
+    """What Gradio 6 takes where the page is served (launch or mount_gradio_app), not in Blocks: the theme, the
+    head that loads the client, and no run history (sessions are recorded by the app; that page offers an upload)."""
+    # System fonts: nothing to fetch, and the page reaches no one outside (the browser test checks every request)
+    theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
+    return dict(theme=theme, head=HEAD, run_history=False)

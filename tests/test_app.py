@@ -212,6 +212,17 @@ def test_the_bench_lists_the_turns_it_did_not_time_with_their_status():
         {"turn": 4, "transcript": "Do you", "status": "unfinished"}]
 
 
+def test_the_bench_scores_each_question_by_the_transcript_that_heard_most_of_it():
+    from app.bench import word_recall
+
+    questions = ["What is your name?", "Do you like music?"]
+    assert word_recall(questions, ["What is your name?", "", "do you like music"]) == 1.0
+    # the first word lost from one question, the last from the other; a question heard twice counts its best
+    assert word_recall(questions, ["is your name", "Do you like", "Do you like music"]) == pytest.approx((0.75 + 1.0) / 2)
+    assert word_recall(questions, ["is your name", "Do you like"]) == pytest.approx((0.75 + 0.75) / 2)
+    assert word_recall(questions, []) == 0.0
+
+
 def test_the_bench_leaves_no_temporary_folder_behind(tmp_path, monkeypatch, capsys):
     import tempfile
 
@@ -363,8 +374,10 @@ def test_microphone_audio_for_a_session_being_replaced_is_dropped_not_fatal():
 
     live = LiveSession(Character(), None, "ada")
     live.attach_voice(VoiceModels(asr=object(), tts=object(), agent=object(), vad=VADConfig()))  # no speech: unused
+    live.feed_mic(np.full(320, -0.5, np.float32), 16000)
     with pytest.raises(ValueError):  # while the session runs, the loop's refusals still reach the caller
         live.feed_mic(np.full(320, np.nan, np.float32), 16000)
+    assert live.mic_peak == 0.5  # the loudest sample the loop took (app.bench reports it); the refused chunk is not one
     live.stop(None)
     microphone = Microphone(frames=5)
     asyncio.run(asyncio.wait_for(Peer._read_mic(SimpleNamespace(live=live), microphone), 10))
@@ -511,7 +524,7 @@ def test_the_app_serves_and_shuts_down_cleanly_on_interrupt(tmp_path):
                 break
             except OSError:
                 time.sleep(0.5)
-        assert json.loads(body) == {"audio_input": "browser"}
+        assert json.loads(body)["audio_input"] == "browser"
         page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read().decode()
         assert "talkloop" in page
         proc.send_signal(signal.SIGINT)
@@ -698,23 +711,45 @@ def test_the_voice_track_sends_one_opus_packet_per_frame_on_the_frames_clock():
     assert max(packets) == 1, packets
 
 
-def test_the_page_builds_without_gradio_6_notices(tmp_path):
-    """Gradio 5 announces Gradio 6 changes for settings the page relies on (warning whatever their value);
-    building the page, for either transport, shows none of them."""
+def test_the_page_builds_without_gradio_warnings(tmp_path):
+    """The page and its server, for either transport, use no Gradio setting that is deprecated or has moved (theme and
+    head go where the page is served in Gradio 6, not to Blocks)."""
     import warnings
 
     from app.controller import Controller
-    from app.ui import build_ui
+    from app.server import build_app
 
     for transport in ("webrtc", "hls"):
         controller = Controller(_config(tmp_path, transport=transport))
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                build_ui(controller)
+                build_app(controller)
         finally:
             controller.close()
-        assert not [str(w.message) for w in caught if "Gradio 6" in str(w.message)], transport
+        notices = [f"{w.category.__name__}: {w.message}" for w in caught
+                   if issubclass(w.category, (DeprecationWarning, FutureWarning, UserWarning))]
+        assert not notices, (transport, notices)
+
+
+def test_the_browser_microphone_settings_reach_the_page():
+    """The page asks for the microphone with the constraints the settings give: the browser's gain control off by
+    default (it cut first and last words), echo cancellation on; each a flag."""
+    import types
+
+    from fastapi.testclient import TestClient
+
+    from app.__main__ import parse_args
+    from app.server import build_api
+
+    def page_config(config: AppConfig) -> dict:
+        with TestClient(build_api(types.SimpleNamespace(config=config))) as client:
+            return client.get("/talkloop/client-config").json()
+
+    assert page_config(AppConfig()) == {"audio_input": "browser", "microphone": {
+        "echoCancellation": True, "autoGainControl": False, "noiseSuppression": False}}
+    flags = build_config(*parse_args(["--mic-auto-gain", "--mic-noise-suppression", "--no-mic-echo-cancellation"]))
+    assert page_config(flags)["microphone"] == {"echoCancellation": False, "autoGainControl": True, "noiseSuppression": True}
 
 
 def test_hls_microphone_chunks_become_mono_float():

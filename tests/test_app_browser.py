@@ -11,6 +11,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -46,6 +47,33 @@ def wait_for(check, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+# Records the audio constraints of every getUserMedia call the page makes.
+RECORD_MIC_CONSTRAINTS = """(() => {
+  const devices = navigator.mediaDevices, getUserMedia = devices.getUserMedia.bind(devices);
+  window.micConstraints = [];
+  devices.getUserMedia = (constraints) => { window.micConstraints.push(constraints); return getUserMedia(constraints); };
+})();"""
+
+
+class PageWatch:
+    """What a page did from its first load: every URL it asked for, and its console errors and uncaught exceptions."""
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+        self.errors: list[str] = []
+
+    def attach(self, page) -> None:
+        page.context.on("request", lambda request: self.urls.append(request.url))
+        page.on("console", lambda message: message.type == "error" and self.errors.append(f"console: {message.text}"))
+        page.on("pageerror", lambda error: self.errors.append(f"uncaught: {error}"))
+        page.add_init_script(RECORD_MIC_CONSTRAINTS)
+
+    def outside(self) -> list[str]:
+        """URLs of any host but this machine's (data: and blob: URLs stay in the page)."""
+        return [url for url in self.urls if urlsplit(url).scheme not in ("data", "blob")
+                and urlsplit(url).hostname not in ("127.0.0.1", "localhost")]
+
+
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("app")
@@ -62,9 +90,15 @@ def app(tmp_path_factory):
 def test_one_turn_in_the_browser(app):
     controller, tmp = app
     wav = conversation_wav(tmp / "question.wav", [sample_speech("What is your name?")], gap_s=12.0)
+    watch = PageWatch()
     with sync_playwright() as p:
-        browser, page = start_in_browser(p, wav, controller.config.port)
+        browser, page = start_in_browser(p, wav, controller.config.port, before_load=watch.attach)
         wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > 24, 60, "the video to play")
+
+        # The microphone without the browser's gain control, which cut the first and last words of questions.
+        constraints = page.evaluate("() => window.micConstraints")
+        assert constraints and all(c["audio"]["autoGainControl"] is False and c["audio"]["echoCancellation"] is True
+                                   for c in constraints), constraints
 
         # The transcript shows what was said and the character's answer.
         transcript = page.locator("#tl-transcript")
@@ -113,7 +147,12 @@ def test_one_turn_in_the_browser(app):
         assert shot.stat().st_size > 10_000
         page.click("#tl-stop")
         wait_for(lambda: controller.live is None, 30, "the session to stop")
+        wait_for(lambda: "stopped" in page.locator("#tl-session").inner_text(), 10, "the page to show the stop")
         browser.close()
+
+    # The whole session (load, Start, a question answered, Stop) asked nothing of any other host and raised no error.
+    assert watch.urls and not watch.outside(), watch.outside()
+    assert not watch.errors, watch.errors
 
     # The turn's trace has every stamp, delivery measured by the browser after the frame's release.
     live = controller.last
@@ -161,6 +200,7 @@ def test_switching_the_preset_while_live_starts_a_session_on_it(app):
         shown = page.evaluate("() => window.talkloop.state.framesShown")
         wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > shown + 24, 30, "kofi's video going on")
         assert page.evaluate("() => window.talkloop.state.pc.connectionState") == "connected"
+        assert controller.failures() == []  # no connection was offered to a session being replaced ("no live session")
         page.click("#tl-stop")
         wait_for(lambda: controller.live is None, 30, "the session to stop")
         browser.close()

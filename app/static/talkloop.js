@@ -8,8 +8,12 @@
   // preset switched twice, Stop during a start) finds itself stale after its next await, closes what it opened
   // and sends no offer, so it cannot take the place of the connection the page shows.
   let generation = 0;
-  // Bumped by Start, Restart, a preset switch and Stop: a session start answered after Stop connects nothing.
+  // Bumped by Start, Restart, a preset switch and Stop: a session start answered after Stop connects nothing, and a
+  // connect() still in flight when another is asked for sends no offer (the server is replacing its session).
   let requests = 0;
+  // Start, Restart and switches not yet answered: an answer that comes while another is still awaited connects
+  // nothing (the server is replacing the session it names); the last answer connects.
+  let unanswered = 0;
 
   const epochMs = () => performance.timeOrigin + performance.now();
   const $ = (id) => document.getElementById(id);
@@ -103,10 +107,10 @@
 
   async function connect() {
     await hangUp();
-    const mine = ++generation;
+    const mine = ++generation, ticket = requests;
     let mic = null, pc = null;
-    const stale = () => {  // a newer connect() or a disconnect() came since: drop what this one opened
-      if (mine === generation) return false;
+    const stale = () => {  // a newer connect(), a disconnect() or another session asked for came since: drop what this one opened
+      if (mine === generation && ticket === requests) return false;
       if (pc) pc.close();
       if (mic) mic.getTracks().forEach((t) => t.stop());
       return true;
@@ -116,7 +120,9 @@
     status("connecting…");
     if (config.audio_input === "browser") {
       try {
-        mic = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true, channelCount: 1 } });
+        // the browser's processing as the app's settings say (config.microphone: echoCancellation, autoGainControl,
+        // noiseSuppression); with its gain control on, the first and last words of a question were lost
+        mic = await navigator.mediaDevices.getUserMedia({ audio: { ...config.microphone, channelCount: 1 } });
       } catch (e) {
         if (stale()) return false;
         const denied = e && (e.name === "NotAllowedError" || e.name === "SecurityError");
@@ -174,9 +180,12 @@
   // connects if the answer names a session and nothing (Stop, another click) came in between, and otherwise hangs up.
   function requested() {
     state.startTicket = ++requests;
+    unanswered += 1;
   }
 
   async function afterStart(answer) {
+    unanswered = Math.max(0, unanswered - 1);
+    if (unanswered > 0) return false;
     if (state.startTicket === requests && typeof answer === "string" && answer.startsWith("session ")) return connect();
     if (state.startTicket === requests) await hangUp();
     return false;
