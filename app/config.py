@@ -69,7 +69,15 @@ class AppConfig:
     asr_model: str | None = setting(None, "speech recognition model folder (default: the shipped Whisper model)")
     voice: str | None = setting(None, "Piper voice model for the character's speech (default: the shipped one)")
     vad_threshold: float = setting(0.5, "speech probability the VAD takes as speech, between 0 and 1")
-    min_silence_ms: int = setting(300, "silence that ends the user's turn, in ms")
+    turn_detection: str = setting("smart_turn", "end of turn: smart_turn (a model judges each pause) or silence "
+                                                "(min_silence_ms of silence alone)")
+    min_endpointing_delay: float = setting(0.2, "smart_turn: silence after which the model judges the turn, in "
+                                                "seconds; a complete one ends then")
+    max_endpointing_delay: float = setting(1.6, "smart_turn: silence that ends a turn the model finds incomplete, "
+                                                "in seconds")
+    preemptive_generation: bool = setting(True, "start the reply at the user's pause, heard only once the turn "
+                                                "has ended with the same words")
+    min_silence_ms: int = setting(300, "turn_detection silence: silence that ends the user's turn, in ms")
     preroll_ms: int = setting(200, "audio kept before the detected start of speech, so the first word is whole")
     # Recording
     record: bool = setting(False, "record every session (MP4 + trace + transcript)")
@@ -91,6 +99,9 @@ class AppConfig:
             (self.llm_threads is None or self.llm_threads >= 1, f"llm_threads must be >= 1, got {self.llm_threads}"),
             (0.0 < self.vad_threshold < 1.0, f"vad_threshold must be between 0 and 1, got {self.vad_threshold}"),
             (self.min_silence_ms > 0 and self.preroll_ms >= 0, "min_silence_ms must be > 0 and preroll_ms >= 0"),
+            (0 < self.min_endpointing_delay < self.max_endpointing_delay,
+             "need 0 < min_endpointing_delay < max_endpointing_delay, got "
+             f"{self.min_endpointing_delay}, {self.max_endpointing_delay}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -110,6 +121,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "agent": ("local", "openai"),
     "llm": ("qwen2.5-1.5b", "qwen2.5-0.5b"),
     "llm_device": ("auto", "cpu", "cuda"),
+    "turn_detection": ("smart_turn", "silence"),
 }
 # Settings whose default is None ("the app picks"); any other setting needs a value.
 OPTIONAL = frozenset(f.name for f in fields(AppConfig) if f.default is None)

@@ -28,7 +28,9 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
     from voice.asr import WhisperASR
     from voice.llm import LocalLLM, LocalLLMAgent
     from voice.personas import persona_for
+    from voice.loop import VoiceLoopConfig
     from voice.tts import PiperTTS
+    from voice.turn import SmartTurn
     from voice.vad import VADConfig
 
     # The engine's --device cuda need not hold for the voice models (their CUDA builds are separate).
@@ -52,10 +54,20 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
         except (ValueError, OSError) as e:
             raise ValueError(f"language model missing or unreadable: {e}") from e
         agent = LocalLLMAgent(llm, persona, prompt_template=config.system_prompt)
+    loop = VoiceLoopConfig(
+        vad=VADConfig(threshold=config.vad_threshold, min_silence_ms=config.min_silence_ms, speech_pad_ms=config.preroll_ms),
+        turn_detection=config.turn_detection, min_endpointing_delay=config.min_endpointing_delay,
+        max_endpointing_delay=config.max_endpointing_delay, preemptive_generation=config.preemptive_generation)
+    try:
+        turn_model = SmartTurn() if loop.turn_detection == "smart_turn" else None
+    except Exception as e:
+        raise ValueError(f"end-of-turn model missing or unreadable: {e}") from e
     asr.warm_up()
     tts.warm_up()
-    vad = VADConfig(threshold=config.vad_threshold, min_silence_ms=config.min_silence_ms, speech_pad_ms=config.preroll_ms)
-    return VoiceModels(asr, tts, agent, vad)
+    prepare = getattr(agent, "prepare", None)
+    if prepare is not None:  # the system prompt read into the model's cache once, not at the first question
+        prepare([])
+    return VoiceModels(asr, tts, agent, loop, turn_model)
 
 
 class Controller:

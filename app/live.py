@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -23,7 +23,7 @@ from engine.realtime import AVFrame, RealtimeCharacter
 from voice.loop import LoopEvent, VoiceLoop, VoiceLoopConfig
 from voice.personas import persona_for
 from voice.trace import now
-from voice.vad import VADConfig
+from voice.turn import SmartTurn
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class VoiceModels:
     asr: object
     tts: object
     agent: object
-    vad: VADConfig
+    loop: VoiceLoopConfig  # each session's loop settings (its trace file is the session's own)
+    turn_model: SmartTurn | None = None  # the end-of-turn model, with turn_detection smart_turn
 
 
 @dataclass
@@ -96,13 +97,13 @@ class LiveSession:
     # Set-up ---------------------------------------------------------------------------------
     def attach_voice(self, models: VoiceModels, name: str | None = None) -> None:
         """A voice loop over the shared models, the agent speaking as this session's preset (or `name`)."""
-        config = VoiceLoopConfig(vad=models.vad, output_sample_rate=16000,
-                                 trace_path=str(self.recorder.trace_path) if self.recorder else None)
+        config = replace(models.loop, output_sample_rate=16000,
+                         trace_path=str(self.recorder.trace_path) if self.recorder else None)
         agent = models.agent
         if hasattr(agent, "for_persona"):
             agent = agent.for_persona(persona_for(self.preset, name))
         self.voice = VoiceLoop(self.sink, agent=agent, asr=models.asr, tts=models.tts, config=config,
-                               on_event=self._on_voice_event)
+                               on_event=self._on_voice_event, turn_model=models.turn_model)
 
     def start(self) -> None:
         self._pump = threading.Thread(target=self._run_pump, name="talkloop-pump", daemon=True)

@@ -284,7 +284,7 @@ def test_a_reply_cut_short_is_in_the_transcript_and_its_recording(tmp_path):
     from voice.asr import WhisperASR
     from voice.loop import feed_audio
     from voice.tts import PiperTTS
-    from voice.vad import VADConfig
+    from voice.loop import VoiceLoopConfig
 
     class Steps:
         next_frame = 0
@@ -306,11 +306,13 @@ def test_a_reply_cut_short_is_in_the_transcript_and_its_recording(tmp_path):
     live = LiveSession(character, None, "ada")
     live.recorder = SessionRecorder(tmp_path, live.session_id, 24, (32, 32), {"preset": "ada"})
     live.attach_voice(VoiceModels(WhisperASR(device="cpu"), PiperTTS(use_cuda=False),
-                                  ScriptedAgent(LONG_REPLY, ["Sure, I'm listening."]), VADConfig()))
+                                  ScriptedAgent(LONG_REPLY, ["Sure, I'm listening."]),
+                                  VoiceLoopConfig(turn_detection="silence")))  # espeak-ng's questions, fed at once
     feed_audio(live.voice, question("Tell me a long story."), real_time=False)
     assert wait_for(lambda: character.pushed >= 1)
     feed_audio(live.voice, question("Stop, please wait."), real_time=False)
     assert wait_for(lambda: character.clears == 1) and live.voice.wait_idle(30)
+    assert wait_for(lambda: not live.voice.is_speaking)  # the answer heard out: a Stop before that would cut it too
     live.stop(None)
     [cut] = [line for line in live.transcript if line.interrupted]
     assert cut.text.startswith(LONG_REPLY[0]) and LONG_REPLY[-1] not in cut.text  # what was spoken, not all it wrote
@@ -353,7 +355,7 @@ def test_microphone_audio_for_a_session_being_replaced_is_dropped_not_fatal():
 
     from app.live import LiveSession, VoiceModels
     from app.rtc import Peer
-    from voice.vad import VADConfig
+    from voice.loop import VoiceLoopConfig
 
     class Character:
         def stop(self, session_log=None):
@@ -373,7 +375,8 @@ def test_microphone_audio_for_a_session_being_replaced_is_dropped_not_fatal():
             return frame
 
     live = LiveSession(Character(), None, "ada")
-    live.attach_voice(VoiceModels(asr=object(), tts=object(), agent=object(), vad=VADConfig()))  # no speech: unused
+    live.attach_voice(VoiceModels(asr=object(), tts=object(), agent=object(),
+                                  loop=VoiceLoopConfig(turn_detection="silence")))  # no speech: unused
     live.feed_mic(np.full(320, -0.5, np.float32), 16000)
     with pytest.raises(ValueError):  # while the session runs, the loop's refusals still reach the caller
         live.feed_mic(np.full(320, np.nan, np.float32), 16000)

@@ -106,7 +106,7 @@ class VoiceLoopConfig:
     # again every `turn_recheck_s` of silence and ends at max_endpointing_delay at the latest. "silence":
     # vad.min_silence_ms of silence alone ends a turn.
     turn_detection: str = "smart_turn"
-    min_endpointing_delay: float = 0.1
+    min_endpointing_delay: float = 0.2
     max_endpointing_delay: float = 1.6
     turn_recheck_s: float = 0.3
     # The model was trained on turns that end in ~0.2 s of silence: a shorter silence is shown padded to this.

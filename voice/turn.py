@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
-import os
 from pathlib import Path
 
 import numpy as np
@@ -83,8 +82,9 @@ def _session(threads: int):
 class SmartTurn:
     """Probability that a turn is complete, from the user's audio up to now (16 kHz mono float32)."""
 
-    def __init__(self, threads: int | None = None) -> None:
-        self.threads = threads or min(2, os.cpu_count() or 1)
+    def __init__(self, threads: int = 1) -> None:
+        # One thread: on 2 busy cores (speech recognition decodes at the same pause) a second one only waits.
+        self.threads = threads
         self._session = _session(self.threads)
 
     def complete_probability(self, audio: np.ndarray) -> float:
