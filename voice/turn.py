@@ -83,7 +83,7 @@ class SmartTurn:
     """Probability that a turn is complete, from the user's audio up to now (16 kHz mono float32)."""
 
     def __init__(self, threads: int = 1) -> None:
-        # One thread: on 2 busy cores (speech recognition decodes at the same pause) a second one only waits.
+        # One thread by default: speech recognition decodes at the same pause and needs the other cores.
         self.threads = threads
         self._session = _session(self.threads)
 
