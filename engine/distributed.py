@@ -377,6 +377,10 @@ class DistributedEngine:
                 raise RuntimeError(f"lost a message from the engine processes ({type(e).__name__}: {e}); "
                                    "start a new engine to continue") from e
             if item[0] == "error":
+                # A peer's death shows first as an error in the ranks still talking to it: name the dead one.
+                for _ in range(20):
+                    self._check_alive()
+                    time.sleep(0.1)
                 self._close(drain=False)  # something failed: no waiting on the processes
                 raise RuntimeError(f"{item[1]} failed:\n{item[2]}")
             return item

@@ -279,12 +279,17 @@ def test_stop_while_a_reply_plays_keeps_what_was_heard_and_marks_it_interrupted(
     while not (loop.trace.turns and loop.trace.turns[0].written):
         clock = feed_audio(loop, np.zeros(512, np.float32), clock=clock)
     assert loop.is_speaking  # the reply is all in the sink, its first sentence playing
+    first_push = sink.pushes()[0][1]
     loop.close()
     assert len(sink.clears()) == 1
     assert text_of(events, "agent_interrupted") == [story[0]]
     record = [r for r in read_jsonl(path) if r["turn_id"] == 1][-1]
     assert record["status"] == "interrupted" and "stopped" in record["stamps"]
     assert loop.conversation[-1][1] == story[0]
+    # What was heard, beside what was made: the reply played from its first push until the stop.
+    assert record["heard_text"] == story[0]
+    assert record["heard_audio_s"] == pytest.approx(record["stamps"]["stopped"] - first_push, abs=0.05)
+    assert 0 < record["heard_audio_s"] < record["reply_audio_s"]
 
 
 def test_stop_while_a_reply_is_being_made_ends_it_and_marks_it_interrupted(models, tmp_path):

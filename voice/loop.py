@@ -216,6 +216,12 @@ class _Turn:
         if self.attempt is not None:
             self.attempt.stop.set()
 
+    def heard_audio_s(self, reply_audio_s: float) -> float:
+        """Seconds of the reply's audio the user heard: all of it, or with a cut, what played before it."""
+        if self.barge_in_t is None or not self.spoken_at:
+            return reply_audio_s
+        return min(reply_audio_s, max(0.0, self.barge_in_t - self.spoken_at[0]))
+
     def heard(self) -> str:
         """The reply as far as the user heard it: every sentence sent to be spoken, or with a barge-in, those that
         had started playing by then (synthesis runs ahead of playback, so a reply can be whole in the sink and
@@ -519,8 +525,18 @@ class VoiceLoop:
                 self.conversation[i] = (turn.final_text, turn.heard())
                 break
         turn.trace.info["status"] = "interrupted"
+        self._note_heard(turn)
         self.trace.mark(turn.turn_id, stamp, t)  # appends the updated record
         events.append(LoopEvent("agent_interrupted", turn.turn_id, turn.heard()))
+
+    @staticmethod
+    def _note_heard(turn: _Turn) -> None:
+        """Record the text and seconds of the reply that were heard, beside what was made (lock held)."""
+        if turn.audio_pushed:
+            info = turn.trace.info
+            info["heard_audio_s"] = round(turn.heard_audio_s(info.get("reply_audio_s", 0.0)), 3)
+            if turn.barge_in_t is not None:
+                info["heard_text"] = turn.heard()
 
     def _cancel(self, turn: _Turn, status: str) -> None:
         turn.cancel()
@@ -536,6 +552,7 @@ class VoiceLoop:
             return
         turn.finished = True
         turn.trace.info.setdefault("status", "completed")
+        self._note_heard(turn)
         if turn.spoken and turn.final_text:
             self.conversation.append((turn.final_text, turn.heard()))
             del self.conversation[:-MAX_CONVERSATION]
