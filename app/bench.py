@@ -10,6 +10,10 @@ onset of the character's voice it played, on this process's clock through the da
 channel's clock sync. Prints the per-turn stages and their median and p95, and what the
 microphone brought the voice loop: its peak level and how much of each question was heard
 (the browser's processing of it is the app's mic_* settings; --noise-rms puts noise under the questions).
+
+With --barge-ins N, a second session follows with a microphone the page plays into at chosen moments: N times a
+question, and while its reply's voice plays in the page, the user cuts in. Reported: from the first sample of the
+user's speech to the last loud sample of the character's voice in the page, and when the voice loop cut the reply.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         live = controller.live
         health = controller.health()
         controller.stop()
+        barge_ins = _barge_ins(controller, args.barge_ins) if args.barge_ins else None
     finally:
         controller.close()
         stop_server(server, thread)
@@ -131,10 +136,46 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "utterances_asked": len(questions), "turns_measured": len(records),
         "turns": turns, "turns_not_delivered": undelivered,
         "stages_s": {label: summary[key] for key, label, *_ in (*STAGES, TOTAL)},
+        **({"barge_in": barge_ins} if barge_ins is not None else {}),
         "target": {"metric": "end of speech -> voice at the browser, median", "limit_s": TARGET_S,
                    "applies_to": "one GPU, demo spec, default agent", "median_s": total.get("median"),
                    "p95_s": total.get("p95"), "met": total.get("median") is not None and total["median"] <= TARGET_S},
     }
+
+
+BARGE_IN_QUESTION = "Tell me about the moon and the stars."  # answered in several sentences
+BARGE_IN_WORDS = "Wait, I have another question."
+
+
+def _barge_ins(controller, count: int) -> dict[str, Any]:
+    """A session with the scripted microphone: `count` questions, each cut short while its reply plays."""
+    from playwright.sync_api import sync_playwright
+
+    from app.browser import SCRIPTED_MIC, barge_in, start_in_browser, wait_until
+    from voice.samples import piper_speech
+    from voice.trace import summarize
+
+    question, words = piper_speech(BARGE_IN_QUESTION), piper_speech(BARGE_IN_WORDS)
+    rows = []
+    with sync_playwright() as p:
+        browser, page = start_in_browser(p, None, controller.config.port,
+                                         before_load=lambda page: page.add_init_script(SCRIPTED_MIC))
+        wait_until(lambda: page.evaluate("() => window.scriptedMic.watchVoice()"), 60, "the character's voice track")
+        for _ in range(count):
+            result = barge_in(page, controller.live, question, words)
+            cut = result.pop("turn")
+            rows.append({**result, "status": cut.get("status"), "heard_text": cut.get("heard_text"),
+                         "reply_text": cut.get("reply_text")})
+            time.sleep(6.0)  # the reply to the interjection
+        browser.close()
+    controller.stop()
+    measured = [r for r in rows if r["voice_playing_when_user_spoke"] and r["status"] == "interrupted"]
+    return {"measured": "page: the user's first sample of speech -> the character's last loud sample (5 ms ticks); "
+                        "server: the voice loop's barge_in stamp, on the same wall clock",
+            "asked": count, "cut": len(measured),
+            "voice_stopped_s": summarize([r["voice_stopped_ms"] / 1000 for r in measured]),
+            "detected_s": summarize([r["detected_ms"] / 1000 for r in measured if r["detected_ms"] is not None]),
+            "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-s", type=float, default=9.0, help="silence after each question, for the reply")
     p.add_argument("--noise-rms", type=float, default=0.0, help="white noise of this level under the questions "
                    "(the microphone's noise suppression: mic_noise_suppression)")
+    p.add_argument("--barge-ins", type=int, default=0, help="then this many barge-ins, measured in the page")
     p.add_argument("--screenshot", default=None, help="save the page as a PNG at the end")
     args = p.parse_args(argv)
     if not 1 <= args.utterances <= 10:
@@ -164,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, s in report["stages_s"].items():
             print(f"{name:40s} median {s.get('median', float('nan')) * 1000:7.0f} ms  p95 {s.get('p95', float('nan')) * 1000:7.0f} ms  (n={s['n']})")
         print(f"target {report['target']}")
+        if "barge_in" in report:
+            b = report["barge_in"]
+            print(f"barge-in ({b['cut']} of {b['asked']}): voice stopped in the page after median "
+                  f"{b['voice_stopped_s'].get('median')} s (p95 {b['voice_stopped_s'].get('p95')}), loop cut it after "
+                  f"{b['detected_s'].get('median')} s")
     return 0 if report["turns_measured"] else 1
 
 

@@ -50,6 +50,78 @@ def conversation_wav(path: str | Path, utterances: list[np.ndarray], lead_s: flo
     return write_wav(path, audio, SAMPLE_RATE)
 
 
+# A microphone the test plays into: getUserMedia answers with a WebAudio stream, and `window.scriptedMic.say`
+# plays 16 kHz samples into it at a known moment (epoch ms). The character's voice as the page plays it is
+# watched too: `window.scriptedMic.voiceLoud` holds the epoch ms of every 5 ms tick when it was loud.
+SCRIPTED_MIC = """(() => {
+  const epochMs = () => performance.timeOrigin + performance.now();
+  const mic = window.scriptedMic = { ctx: null, dest: null, constraints: [], voiceLoud: [], watching: null };
+  navigator.mediaDevices.getUserMedia = async (constraints) => {
+    mic.constraints.push(constraints);
+    if (!mic.ctx) {
+      mic.ctx = new AudioContext({ sampleRate: 48000 });
+      mic.dest = mic.ctx.createMediaStreamDestination();
+      const hush = mic.ctx.createConstantSource();  // a source always playing: silence flows between utterances
+      hush.offset.value = 0;
+      hush.connect(mic.dest);
+      hush.start();
+    }
+    return new MediaStream(mic.dest.stream.getAudioTracks().map((t) => t.clone()));
+  };
+  mic.say = (samples, rate, lead = 0.05) => {
+    const buffer = mic.ctx.createBuffer(1, samples.length, rate);
+    buffer.copyToChannel(Float32Array.from(samples), 0);
+    const source = mic.ctx.createBufferSource();
+    source.buffer = buffer;
+    source.connect(mic.dest);
+    const at = mic.ctx.currentTime + lead;
+    source.start(at);
+    return epochMs() + 1000 * (at - mic.ctx.currentTime);
+  };
+  // Once the voice has been loud for most of the last loud_ms: say it at once (a barge-in over speech, not a pause).
+  mic.sayWhileVoiceLoud = (samples, rate, loudMs) => new Promise((resolve) => {
+    const timer = setInterval(() => {
+      const now = epochMs(), recent = mic.voiceLoud.filter((t) => t >= now - loudMs).length;
+      if (recent >= 0.8 * loudMs / 5) { clearInterval(timer); resolve(mic.say(samples, rate, 0)); }
+    }, 5);
+  });
+  mic.watchVoice = () => {
+    const stream = document.getElementById("tl-video").srcObject;
+    if (!stream || !stream.getAudioTracks().length || mic.watching === stream) return mic.watching !== null;
+    mic.watching = stream;
+    const ctx = new AudioContext(), analyser = ctx.createAnalyser();
+    analyser.fftSize = 256;
+    ctx.createMediaStreamSource(stream).connect(analyser);
+    const buf = new Float32Array(analyser.fftSize);
+    setInterval(() => {
+      analyser.getFloatTimeDomainData(buf);
+      let sum = 0;
+      for (const x of buf) sum += x * x;
+      if (Math.sqrt(sum / buf.length) > 0.01) mic.voiceLoud.push(epochMs());
+    }, 5);
+    return true;
+  };
+})();"""
+
+
+def say(page, speech: np.ndarray) -> float:
+    """Play 16 kHz speech into the page's scripted microphone; returns when it starts (epoch ms)."""
+    return page.evaluate("([samples, rate]) => window.scriptedMic.say(samples, rate)",
+                         [np.asarray(speech, np.float32).round(5).tolist(), SAMPLE_RATE])
+
+
+def say_while_voice_loud(page, speech: np.ndarray, loud_ms: float = 200) -> float:
+    """Wait until the character's voice has played loud for most of the last loud_ms, then play speech into the
+    microphone at once; returns when it starts (epoch ms)."""
+    return page.evaluate("([samples, rate, loud]) => window.scriptedMic.sayWhileVoiceLoud(samples, rate, loud)",
+                         [np.asarray(speech, np.float32).round(5).tolist(), SAMPLE_RATE, loud_ms])
+
+
+def voice_loud_since(page, since_ms: float) -> list[float]:
+    """Epoch ms of each 5 ms tick since `since_ms` when the character's voice played loud in the page."""
+    return page.evaluate("(since) => window.scriptedMic.voiceLoud.filter((t) => t >= since)", since_ms)
+
+
 def start_server(controller) -> tuple[object, threading.Thread]:
     """The app's web server in a thread of this process (tests, bench); stop with stop_server."""
     import uvicorn
@@ -96,3 +168,52 @@ def start_in_browser(playwright, wav: str | Path | None, port: int, *, deny_micr
     page.goto(f"http://127.0.0.1:{port}/")
     page.click("#tl-start")
     return browser, page
+
+
+def page_now_ms(page) -> float:
+    return page.evaluate("() => performance.timeOrigin + performance.now()")
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def ask_and_hear_the_reply(page, live, question: np.ndarray) -> tuple[dict, float]:
+    """Say a question into the scripted microphone; wait until the reply's voice has played in the page for a
+    second. Returns the turn's trace record and when its voice was first loud (epoch ms)."""
+    before = len(live.turn_records())
+    asked = say(page, question)
+    ended = asked + 1000 * question.size / SAMPLE_RATE
+    heard = wait_until(lambda: voice_loud_since(page, ended), 90, "the reply's voice in the page")[0]
+    wait_until(lambda: page_now_ms(page) > heard + 1000, 5, "a second of the reply")
+    return next(r for r in live.turn_records()[before:] if r.get("user_text")), heard
+
+
+def barge_in(page, live, question: np.ndarray, interjection: np.ndarray) -> dict[str, Any]:
+    """Ask `question`, and while its reply's voice plays, say `interjection`. Measured in the page: from the first
+    sample of the user's speech to the last loud sample of the character's voice before a second of quiet
+    (`voice_stopped_ms`); and on the server, when the voice loop cut the reply (`detected_ms`, the page's clock
+    and the server's both read as wall time on this machine)."""
+    record, _ = ask_and_hear_the_reply(page, live, question)
+    spoke = say_while_voice_loud(page, interjection[speech_onset(interjection):])
+    playing = len(voice_loud_since(page, spoke - 100)) >= 10
+    wait_until(lambda: page_now_ms(page) > spoke + 3000, 10, "three seconds after the barge-in")
+    loud = voice_loud_since(page, spoke - 1000)
+    stopped = next((a for a, b in zip(loud, loud[1:]) if b - a >= 1000), loud[-1] if loud else spoke)
+    cut = next(r for r in live.turn_records() if r["turn_id"] == record["turn_id"])
+    wall = time.time() - time.monotonic()
+    detected = cut["stamps"].get("barge_in")
+    return {"turn": cut, "voice_playing_when_user_spoke": playing, "voice_stopped_ms": round(stopped - spoke, 1),
+            "detected_ms": None if detected is None else round(1000 * (detected + wall) - spoke, 1)}
+
+
+def speech_onset(speech: np.ndarray, level: float = 0.01) -> int:
+    """Index of the first sample above level."""
+    loud = np.flatnonzero(np.abs(speech) > level)
+    return int(loud[0]) if loud.size else 0

@@ -22,13 +22,16 @@ if shutil.which("chromium") is None:
 
 from playwright.sync_api import sync_playwright  # noqa: E402
 
-from app.browser import conversation_wav, launch_chromium, start_in_browser, start_server, stop_server  # noqa: E402
+from app.bench import word_recall  # noqa: E402
+from app.browser import (SCRIPTED_MIC, ask_and_hear_the_reply, barge_in, conversation_wav, launch_chromium, say,  # noqa: E402
+                         start_in_browser, start_server, stop_server)
 from app.config import build_config  # noqa: E402
 from app.controller import RECENT_SYNC_REPORTS, Controller  # noqa: E402
 from app.latency import STAGES  # noqa: E402
 from app.probe import probe_streams  # noqa: E402
 from app.recorder import list_recordings  # noqa: E402
-from voice.samples import sample_speech  # noqa: E402
+from voice.samples import piper_speech, sample_speech  # noqa: E402
+from voice.turn_bench import paused_speech  # noqa: E402
 
 
 def free_port() -> int:
@@ -285,3 +288,96 @@ def test_hls_fallback_plays_and_answers(tmp_path):
     finally:
         controller.close()
         stop_server(server, thread)
+
+
+# --- Turn-taking through the page, with a microphone the test plays into at known moments ------------------------
+
+LONG_QUESTION = "Tell me about the moon and the stars."  # answered in several sentences: a reply to cut short
+
+
+def scripted_session(p, controller):
+    """Chromium on the app with the scripted microphone, Start pressed, video playing and its voice watched."""
+    browser, page = start_in_browser(p, None, controller.config.port,
+                                     before_load=lambda page: page.add_init_script(SCRIPTED_MIC))
+    wait_for(lambda: page.evaluate("() => window.talkloop.state.framesShown") > 24, 60, "the video to play")
+    wait_for(lambda: page.evaluate("() => window.scriptedMic.watchVoice()"), 30, "the character's voice track")
+    return browser, page
+
+
+def mp4_voiced_seconds(path) -> float:
+    """From the first to the last loud 10 ms of the recording's audio (the character's voice alone)."""
+    import av
+
+    with av.open(str(path)) as container:
+        frames = [f for f in container.decode(audio=0)]
+        rate = frames[0].sample_rate
+        audio = np.concatenate([f.to_ndarray().reshape(f.to_ndarray().shape[0], -1)[0] for f in frames])
+    hop = rate // 100
+    rms = np.sqrt((audio[: audio.size // hop * hop].reshape(-1, hop) ** 2).mean(axis=1))
+    loud = np.flatnonzero(rms > 0.01)
+    return (loud[-1] + 1 - loud[0]) * hop / rate if loud.size else 0.0
+
+
+def test_a_question_with_a_pause_in_it_is_one_turn_heard_word_for_word(app):
+    """A pause of 0.6 s after "so": the end-of-turn model hears the sentence go on, so the turn waits for the
+    rest and one reply answers all of it; the page's microphone path keeps every word."""
+    controller, _ = app
+    question = "It was raining all day so, | we stayed inside."
+    with sync_playwright() as p:
+        browser, page = scripted_session(p, controller)
+        live = controller.live
+        say(page, paused_speech(question, 0.6))
+        wait_for(lambda: any(r.get("status") for r in live.turn_records()), 90, "the turn's reply to finish")
+        time.sleep(1.0)
+        turns = [r for r in live.turn_records() if "speech_end" in r["stamps"]]
+        assert len(turns) == 1, [(r.get("user_text"), r.get("status"), r.get("end_reason")) for r in turns]
+        said = question.replace("| ", "")
+        assert word_recall([said], [turns[0]["user_text"]]) >= 0.9, turns[0]["user_text"]
+        page_text = page.locator("#tl-transcript").inner_text()
+        assert "raining" in page_text and "inside" in page_text, page_text
+        page.click("#tl-stop")
+        wait_for(lambda: controller.live is None, 30, "the session to stop")
+        browser.close()
+
+
+def test_a_barge_in_cuts_the_reply_at_the_browser(app):
+    """While the character speaks the user cuts in: the reply is cut and marked, and the character's voice stops in
+    the page, measured from the first sample of the user's speech to the last loud sample of the voice. On two
+    loaded CPU cores that took 0.6-1.4 s (the loop hears the speech 0.2-0.7 s after the page sends it, and the
+    browser holds 0.2-0.3 s of voice in its jitter buffer); the bound catches a reply that plays on."""
+    controller, _ = app
+    with sync_playwright() as p:
+        browser, page = scripted_session(p, controller)
+        live = controller.live
+        result = barge_in(page, live, piper_speech(LONG_QUESTION), piper_speech("Wait, I have another question."))
+        assert result["voice_playing_when_user_spoke"], "the reply ended before the barge-in (the test's premise)"
+        cut = result["turn"]
+        assert cut.get("status") == "interrupted" and "barge_in" in cut["stamps"], cut
+        assert len(cut["heard_text"]) < len(cut["reply_text"]), cut
+        assert result["voice_stopped_ms"] <= 2000, result
+        wait_for(lambda: "(interrupted)" in page.locator("#tl-transcript").inner_text(), 10, "the page to mark it interrupted")
+        page.click("#tl-stop")
+        wait_for(lambda: controller.live is None, 30, "the session to stop")
+        browser.close()
+
+
+def test_stop_mid_reply_keeps_what_was_heard_on_the_page_in_the_transcript_and_in_the_recording(app):
+    controller, _ = app
+    with sync_playwright() as p:
+        browser, page = scripted_session(p, controller)
+        live = controller.live
+        record, _ = ask_and_hear_the_reply(page, live, piper_speech(LONG_QUESTION))
+        assert word_recall([LONG_QUESTION], [record["user_text"]]) >= 0.9, record["user_text"]
+        page.click("#tl-stop")
+        wait_for(lambda: controller.live is None, 30, "the session to stop")
+        wait_for(lambda: "(interrupted)" in page.locator("#tl-transcript").inner_text(), 10, "the page to mark it interrupted")
+        browser.close()
+    rec = next(r for r in list_recordings(controller.config.recordings_dir) if r.folder.name.endswith(live.session_id))
+    turn = [r for r in rec.trace() if r["turn_id"] == record["turn_id"]][-1]  # the turn's last record
+    assert turn["status"] == "interrupted" and "stopped" in turn["stamps"], turn
+    assert 0 < turn["heard_audio_s"] < turn["reply_audio_s"], turn
+    assert turn["heard_text"] and len(turn["heard_text"]) < len(turn["reply_text"]), turn
+    line = [row for row in rec.transcript() if row["role"] == "assistant" and row["turn_id"] == record["turn_id"]][-1]
+    assert line.get("interrupted") and line["text"] == turn["heard_text"], line
+    # The recording holds the voice as far as it was heard, no more and not much less.
+    assert mp4_voiced_seconds(rec.video) == pytest.approx(turn["heard_audio_s"], abs=0.3)

@@ -20,6 +20,11 @@ from voice.tts import PiperTTS
 from voice.vad import VADConfig
 
 
+def is_word_prefix(heard: str, text: str) -> bool:
+    """heard is text's first words."""
+    return heard.split() == text.split()[: len(heard.split())]
+
+
 class FakeEngineSink:
     """Stands in for the engine: records every call, checks what it is given."""
 
@@ -185,7 +190,7 @@ def test_barge_in_stops_playback_and_the_loop_listens(models):
     # The agent remembers the story only as far as it was spoken.
     [(said, spoken)] = agent.histories[1]
     assert said == first.info["user_text"]
-    assert spoken == " ".join(LONG_REPLY[: len(story_pushes)])  # one push per sentence
+    assert is_word_prefix(spoken, " ".join(LONG_REPLY[: len(story_pushes)]))  # one push per sentence
     assert loop.conversation[-1] == (second.info["user_text"], "Sure, I'm listening.")
     # The cut-short reply is reported with what of it was spoken, for the transcript and its recording.
     assert text_of(events, "agent_interrupted") == [spoken]
@@ -222,10 +227,12 @@ def test_barge_in_while_a_finished_reply_plays_cuts_it_back_to_what_was_heard(mo
         assert loop.wait_idle(30)
     assert len(sink.clears()) == 1
     assert text_of(events, "agent_done") == [" ".join(story), "Sure."]
-    assert text_of(events, "agent_interrupted") == [story[0]]  # after its agent_done: the line is cut back
+    # after its agent_done the line is cut back, into the first sentence (about 6 s long; cut 2-3 s in)
+    [heard] = text_of(events, "agent_interrupted")
+    assert is_word_prefix(heard, story[0]) and 0 < len(heard.split()) < len(story[0].split())
     first = [r for r in read_jsonl(path) if r["turn_id"] == 1][0]  # the record's last line
     assert first["status"] == "interrupted" and "barge_in" in first["stamps"]
-    assert [spoken for _, spoken in agent.histories[1]] == [story[0]]
+    assert [spoken for _, spoken in agent.histories[1]] == [heard]
 
 
 class LaggingSink(FakeEngineSink):
@@ -278,18 +285,24 @@ def test_stop_while_a_reply_plays_keeps_what_was_heard_and_marks_it_interrupted(
     clock = feed_audio(loop, question("Tell me a story.", after_s=0.6))
     while not (loop.trace.turns and loop.trace.turns[0].written):
         clock = feed_audio(loop, np.zeros(512, np.float32), clock=clock)
-    assert loop.is_speaking  # the reply is all in the sink, its first sentence playing
+    clock = feed_audio(loop, np.zeros(SAMPLE_RATE, np.float32), clock=clock)
+    assert loop.is_speaking  # the reply is all in the sink, its first sentence (about 6 s) playing
     first_push = sink.pushes()[0][1]
     loop.close()
     assert len(sink.clears()) == 1
-    assert text_of(events, "agent_interrupted") == [story[0]]
+    [heard] = text_of(events, "agent_interrupted")
+    assert is_word_prefix(heard, story[0]) and 0 < len(heard.split()) < len(story[0].split())
     record = [r for r in read_jsonl(path) if r["turn_id"] == 1][-1]
     assert record["status"] == "interrupted" and "stopped" in record["stamps"]
-    assert loop.conversation[-1][1] == story[0]
-    # What was heard, beside what was made: the reply played from its first push until the stop.
-    assert record["heard_text"] == story[0]
+    assert loop.conversation[-1][1] == heard
+    # What was heard, beside what was made: the reply played from its first push until the stop, and the words
+    # kept are the first sentence's in the share of its audio played.
+    assert record["heard_text"] == heard
     assert record["heard_audio_s"] == pytest.approx(record["stamps"]["stopped"] - first_push, abs=0.05)
     assert 0 < record["heard_audio_s"] < record["reply_audio_s"]
+    first_sentence_s = sink.pushes()[0][2].size / sink.pushes()[0][3]  # Piper gives a sentence in one piece
+    share = record["heard_audio_s"] / first_sentence_s  # rounded to the ms in the record: a word either way
+    assert abs(len(heard.split()) - len(story[0].split()) * share) <= 1
 
 
 def test_stop_while_a_reply_is_being_made_ends_it_and_marks_it_interrupted(models, tmp_path):
@@ -466,7 +479,9 @@ def test_failing_agent_and_callback_do_not_stop_the_loop(models):
         raise RuntimeError("UI bug")
 
     agent = ScriptedAgent(ConnectionError("chat endpoint unreachable"), ["Fine, thanks."])
-    with VoiceLoop(sink, agent=agent, asr=models[0], tts=models[1], on_event=broken_ui) as loop:
+    # espeak-ng's speech, which the end-of-turn model scores as unfinished: the silence rule ends its turns
+    with VoiceLoop(sink, agent=agent, asr=models[0], tts=models[1], on_event=broken_ui,
+                   config=VoiceLoopConfig(turn_detection="silence")) as loop:
         feed_audio(loop, question("How are you?"), real_time=False)
         assert loop.wait_idle(30)
         feed_audio(loop, question("How are you?"), real_time=False)

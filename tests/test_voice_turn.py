@@ -98,6 +98,31 @@ def test_a_pause_mid_sentence_stays_one_turn_and_the_end_is_judged_complete(smar
     assert turn.stamps["speech_end"] - turn.stamps["last_voiced_audio"] < 1.2
 
 
+class AlwaysComplete:
+    """An end-of-turn model that finds every turn complete, at once."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def complete_probability(self, audio: np.ndarray) -> float:
+        self.calls += 1
+        return 0.9
+
+
+def test_the_model_is_asked_ahead_and_a_complete_turn_ends_at_the_minimum_delay_not_before():
+    model = AlwaysComplete()
+    loop = VoiceLoop(RecordingSink(), agent=Silent(), config=VoiceLoopConfig(), turn_model=model)
+    with loop:
+        feed_audio(loop, with_silence(piper_speech("What is your name?"), before_s=0.4, after_s=1.0), real_time=True)
+        assert loop.wait_idle(20)
+    [turn] = [t for t in loop.trace.turns if "speech_end" in t.stamps]
+    [judged] = turn.info["turn_judgements"]  # asked once: its verdict held until the silence was long enough
+    assert model.calls == 1 and judged["silence_s"] < 0.2  # asked turn_model_lead_s (0.1 s) ahead
+    assert turn.info["end_reason"] == "smart_turn"
+    # ended when the silence reached min_endpointing_delay (0.2 s), not at the verdict (fed in 32 ms chunks)
+    assert turn.stamps["speech_end"] - turn.stamps["last_voiced_audio"] >= 0.2 - 0.035
+
+
 def test_silence_mode_keeps_the_old_rule_and_bad_settings_are_refused():
     assert VoiceLoopConfig(turn_detection="silence").vad_for_turns().min_silence_ms == 300
     assert VoiceLoopConfig().vad_for_turns().min_silence_ms == 1600
@@ -107,3 +132,5 @@ def test_silence_mode_keeps_the_old_rule_and_bad_settings_are_refused():
         VoiceLoopConfig(min_endpointing_delay=2.0, max_endpointing_delay=1.0)
     with pytest.raises(ValueError, match="turn_threshold"):
         VoiceLoopConfig(turn_threshold=50)
+    with pytest.raises(ValueError, match="turn_model_lead_s"):
+        VoiceLoopConfig(turn_model_lead_s=0.3)

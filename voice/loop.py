@@ -111,6 +111,9 @@ class VoiceLoopConfig:
     turn_recheck_s: float = 0.3
     # The model was trained on turns that end in ~0.2 s of silence: a shorter silence is shown padded to this.
     turn_model_silence_s: float = 0.2
+    # Asked this long before min_endpointing_delay (on the audio so padded), so that its verdict, which takes
+    # 0.05-0.3 s on a CPU, is in when the silence reaches min_endpointing_delay; a complete turn ends then.
+    turn_model_lead_s: float = 0.1
     turn_threshold: float = 0.5  # Smart Turn's probability of a complete turn at or above which it ends
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
@@ -131,6 +134,9 @@ class VoiceLoopConfig:
                              f"{self.min_endpointing_delay}, {self.max_endpointing_delay}")
         if not self.turn_recheck_s > 0:
             raise ValueError(f"turn_recheck_s must be > 0, got {self.turn_recheck_s}")
+        if not 0 <= self.turn_model_lead_s < self.min_endpointing_delay:
+            raise ValueError(f"turn_model_lead_s must be >= 0 and below min_endpointing_delay ({self.min_endpointing_delay}), "
+                             f"got {self.turn_model_lead_s}")
         if not 0 < self.turn_threshold < 1:
             raise ValueError(f"turn_threshold must be between 0 and 1, got {self.turn_threshold}")
 
@@ -195,6 +201,7 @@ class _Turn:
     voiced_end: int = -1  # end of the last voiced window
     pause_at: int = -1  # where a silence began while the user was still in the turn
     judge_at: int = -1  # smart_turn: the next sample of silence at which the end-of-turn model is asked
+    complete_at: int = -1  # smart_turn: judged complete; the turn ends once the silence reaches this sample
     last_voiced_t: float = 0.0
     ended: bool = False
     transcripts: list[tuple[int, str, float]] = field(default_factory=list)  # (covered up to sample, text, decode start)
@@ -206,6 +213,7 @@ class _Turn:
     audio_pushed: bool = False
     spoken: list[str] = field(default_factory=list)  # reply sentences whose audio reached the sink
     spoken_at: list[float] = field(default_factory=list)  # when each of them starts to play (the loop's estimate)
+    spoken_s: list[float] = field(default_factory=list)  # and how long each plays
     barge_in_t: float | None = None  # when the user cut the reply short
     finished: bool = False
     attempt: _Attempt | None = None  # a reply begun at the user's pause
@@ -223,11 +231,21 @@ class _Turn:
         return min(reply_audio_s, max(0.0, self.barge_in_t - self.spoken_at[0]))
 
     def heard(self) -> str:
-        """The reply as far as the user heard it: every sentence sent to be spoken, or with a barge-in, those that
-        had started playing by then (synthesis runs ahead of playback, so a reply can be whole in the sink and
-        cut short at the ear)."""
+        """The reply as far as the user heard it: every sentence sent to be spoken, or with a cut (a barge-in, a
+        Stop), the sentences played by then and the words of the one playing in the share of its audio played
+        (synthesis runs ahead of playback, so a reply can be whole in the sink and cut short at the ear)."""
         cut = self.barge_in_t
-        return " ".join(s for s, at in zip(self.spoken, self.spoken_at) if cut is None or at < cut)
+        said: list[str] = []
+        for sentence, at, seconds in zip(self.spoken, self.spoken_at, self.spoken_s):
+            if cut is None or at + seconds <= cut:
+                said.append(sentence)
+                continue
+            words = sentence.split()
+            played = int(len(words) * max(0.0, cut - at) / seconds) if seconds > 0 else 0
+            if played:
+                said.append(" ".join(words[:played]))
+            break
+        return " ".join(said)
 
     @property
     def turn_id(self) -> int:
@@ -337,9 +355,13 @@ class VoiceLoop:
                     turn.last_voiced_t = t
                     turn.voiced_end = self.vad.last_voiced
                     self._drop_attempt(turn)  # the user went on: a reply begun at their pause is stale
+                    turn.complete_at = -1  # and a verdict on that pause no longer holds
                 silence = self.vad.silence_start
                 turn.pause_at = silence if silence else -1
-                self._ask_judge(turn)
+                if 0 <= turn.complete_at <= self._history.total:
+                    self._end_judged_turn(turn, t)
+                else:
+                    self._ask_judge(turn)
             self._asr_wake.notify_all()
         self._emit(events)
 
@@ -459,17 +481,18 @@ class VoiceLoop:
 
     def _ask_judge(self, turn: _Turn) -> None:
         """smart_turn: wake the turn worker once the silence after the last voiced audio is long enough (lock held)."""
-        if self.turn_model is None or turn.pause_at < 0 or self._judging is not None:
+        if self.turn_model is None or turn.pause_at < 0 or self._judging is not None or turn.complete_at >= 0:
             return
-        delay = self.config.min_endpointing_delay if turn.judge_at < turn.voiced_end else 0.0
+        first = self.config.min_endpointing_delay - self.config.turn_model_lead_s
+        delay = first if turn.judge_at < turn.voiced_end else 0.0
         due = max(turn.judge_at, turn.voiced_end + int(delay * SAMPLE_RATE))
         if self._history.total >= due:
             self._judging = (turn, self._history.total, turn.voiced_end)
             self._asr_wake.notify_all()
 
     def _turn_worker(self) -> None:
-        """smart_turn: ask the model whether the turn is complete; a complete one ends now (its VAD segment closes at
-        the next feed), an incomplete one is asked again after turn_recheck_s more silence."""
+        """smart_turn: ask the model whether the turn is complete; a complete one ends once the silence reaches
+        min_endpointing_delay (now, if it has), an incomplete one is asked again after turn_recheck_s more silence."""
         assert self.turn_model is not None
         while True:
             with self._lock:
@@ -498,12 +521,18 @@ class VoiceLoop:
                 judged.append({"silence_s": round((until - voiced_end) / SAMPLE_RATE, 3),
                                "probability": round(probability, 3), "model_s": round(now() - started, 3)})
                 if probability >= self.config.turn_threshold:
-                    pad = self.config.vad.speech_pad_ms * SAMPLE_RATE // 1000
-                    self._on_speech_end(min(voiced_end + pad, until), voiced_end, "smart_turn", now())
-                    self._end_vad_segment = True
-                    self._asr_wake.notify_all()
+                    turn.complete_at = voiced_end + int(self.config.min_endpointing_delay * SAMPLE_RATE)
+                    if self._history.total >= turn.complete_at:
+                        self._end_judged_turn(turn, now())
                 else:
                     turn.judge_at = until + int(self.config.turn_recheck_s * SAMPLE_RATE)
+
+    def _end_judged_turn(self, turn: _Turn, t: float) -> None:
+        """End a turn the model judged complete (lock held); its VAD segment closes at the next feed."""
+        pad = self.config.vad.speech_pad_ms * SAMPLE_RATE // 1000
+        self._on_speech_end(min(turn.voiced_end + pad, self._history.total), turn.voiced_end, "smart_turn", t)
+        self._end_vad_segment = True
+        self._asr_wake.notify_all()
 
     def _on_speech_end(self, end: int, last_voiced: int, reason: str, t: float) -> None:
         turn = self._turn
@@ -903,7 +932,9 @@ class VoiceLoop:
                 if not recorded:
                     turn.spoken.append(sentence)
                     turn.spoken_at.append(plays_from)
+                    turn.spoken_s.append(0.0)
                     recorded = True
+                turn.spoken_s[-1] += pcm.shape[0] / rate
         return not stop.is_set()
 
     def _emit(self, events: list[LoopEvent]) -> None:
