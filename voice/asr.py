@@ -32,7 +32,7 @@ def clean_transcript(text: str) -> str:
 
 SAMPLE_RATE = 16000
 HOP = 160  # Whisper feature frames are 10 ms
-PREVIEW_WINDOW_S = 15
+WHISPER_WINDOW_S = 30  # the window Whisper was trained on
 
 
 def default_model_path() -> Path:
@@ -115,6 +115,11 @@ class WhisperASR:
     # alone 0.38 s either way; the second of two overlapping decodes 0.55 s, against
     # 1.0 s when it has to queue behind the first.
     workers: int = 2
+    # Whisper's encoder runs over this many seconds of features instead of its own 30, for a turn up to 3 s
+    # shorter: about half the work on a CPU (2 cores: 0.24 s against 0.49 s, median of 30 spoken questions),
+    # heard the same (the same words in 29 of 30; transcribe_full is the reference). Shorter windows made
+    # Whisper loop on repeated text, so the output length is capped too.
+    window_s: int = 15
 
     def __post_init__(self) -> None:
         asked = self.device
@@ -137,7 +142,29 @@ class WhisperASR:
         self._prompt = [*self._tokenizer.sot_sequence, self._tokenizer.no_timestamps]
 
     def transcribe(self, audio: np.ndarray) -> str:
-        """Text of the speech in audio ('' when nothing was recognised)."""
+        """Text of the speech in audio ('' when nothing was recognised): over the shorter window when it fits."""
+        seconds = audio.size / SAMPLE_RATE
+        if audio.size == 0:
+            return ""
+        if self.window_s >= WHISPER_WINDOW_S or seconds > self.window_s - 3:
+            return self.transcribe_full(audio)
+        import ctranslate2
+
+        frames = self.window_s * SAMPLE_RATE // HOP
+        features = self._whisper.feature_extractor(np.ascontiguousarray(audio, dtype=np.float32))
+        features = np.pad(features, ((0, 0), (0, max(0, frames - features.shape[1]))))[:, :frames]
+        result = self._whisper.model.generate(
+            ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None], dtype=np.float32)),
+            [self._prompt],
+            beam_size=self.beam_size,
+            max_length=int(8 * seconds) + 8,
+            suppress_blank=True,
+            suppress_tokens=[-1],
+        )
+        return clean_transcript(self._tokenizer.decode(result[0].sequences_ids[0]))
+
+    def transcribe_full(self, audio: np.ndarray) -> str:
+        """faster-whisper's own decode over Whisper's 30 s window (the reference for transcribe)."""
         if audio.size == 0:
             return ""
         segments, _ = self._whisper.transcribe(
@@ -152,36 +179,6 @@ class WhisperASR:
         text = "".join(segment.text for segment in segments)
         return clean_transcript(text)
 
-    def transcribe_preview(self, audio: np.ndarray) -> str:
-        """A cheaper decode for partial transcripts shown while the user talks.
-
-        Whisper's encoder normally runs over a 30 s window however short the audio;
-        here it runs over PREVIEW_WINDOW_S, about 2.5x less work on CPU (0.15 s
-        instead of 0.38 s for a 3 s utterance with tiny.en on 2 cores). Shorter
-        windows than that made Whisper loop on repeated text, so the output length
-        is capped as well. Final transcripts always use transcribe().
-        """
-        seconds = audio.size / SAMPLE_RATE
-        if audio.size == 0:
-            return ""
-        if seconds > PREVIEW_WINDOW_S - 3:
-            return self.transcribe(audio)
-        import ctranslate2
-
-        frames = PREVIEW_WINDOW_S * SAMPLE_RATE // HOP
-        features = self._whisper.feature_extractor(np.ascontiguousarray(audio, dtype=np.float32))
-        features = np.pad(features, ((0, 0), (0, max(0, frames - features.shape[1]))))[:, :frames]
-        result = self._whisper.model.generate(
-            ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None], dtype=np.float32)),
-            [self._prompt],
-            beam_size=1,
-            max_length=int(8 * seconds) + 8,
-            suppress_blank=True,
-            suppress_tokens=[-1],
-        )
-        return clean_transcript(self._tokenizer.decode(result[0].sequences_ids[0]))
-
     def warm_up(self) -> None:
         """Run one decode so the first real turn does not pay one-off setup."""
         self.transcribe(np.zeros(8000, dtype=np.float32))
-        self.transcribe_preview(np.zeros(8000, dtype=np.float32))

@@ -622,7 +622,7 @@ class VoiceLoop:
             if job is None:
                 continue
             try:
-                text = self.asr.transcribe(audio) if kind == "final" else self.asr.transcribe_preview(audio)
+                text = self.asr.transcribe(audio)
             except Exception as err:  # a failed decode must not kill the loop
                 log.exception("transcription failed")
                 self._emit([LoopEvent("error", turn.turn_id, f"speech recognition failed: {err}")])
