@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from voice.audio import SAMPLE_RATE, write_wav
+from voice.samples import speech_bounds
 
 
 CHROMIUM_ENV = "TALKLOOP_CHROMIUM"
@@ -201,7 +202,7 @@ def barge_in(page, live, question: np.ndarray, interjection: np.ndarray) -> dict
     (`voice_stopped_ms`); and on the server, when the voice loop cut the reply (`detected_ms`, the page's clock
     and the server's both read as wall time on this machine)."""
     record, _ = ask_and_hear_the_reply(page, live, question)
-    spoke = say_while_voice_loud(page, interjection[speech_onset(interjection):])
+    spoke = say_while_voice_loud(page, interjection[speech_bounds(interjection)[0]:])
     playing = len(voice_loud_since(page, spoke - 100)) >= 10
     wait_until(lambda: page_now_ms(page) > spoke + 3000, 10, "three seconds after the barge-in")
     loud = voice_loud_since(page, spoke - 1000)
@@ -212,8 +213,3 @@ def barge_in(page, live, question: np.ndarray, interjection: np.ndarray) -> dict
     return {"turn": cut, "voice_playing_when_user_spoke": playing, "voice_stopped_ms": round(stopped - spoke, 1),
             "detected_ms": None if detected is None else round(1000 * (detected + wall) - spoke, 1)}
 
-
-def speech_onset(speech: np.ndarray, level: float = 0.01) -> int:
-    """Index of the first sample above level."""
-    loud = np.flatnonzero(np.abs(speech) > level)
-    return int(loud[0]) if loud.size else 0
