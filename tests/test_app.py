@@ -307,7 +307,8 @@ def test_a_reply_cut_short_is_in_the_transcript_and_its_recording(tmp_path):
     live.recorder = SessionRecorder(tmp_path, live.session_id, 24, (32, 32), {"preset": "ada"})
     live.attach_voice(VoiceModels(WhisperASR(device="cpu"), PiperTTS(use_cuda=False),
                                   ScriptedAgent(LONG_REPLY, ["Sure, I'm listening."]),
-                                  VoiceLoopConfig(turn_detection="silence")))  # espeak-ng's questions, fed at once
+                                  # espeak-ng's questions, fed at once; each scripted reply made once, at the end of its turn
+                                  VoiceLoopConfig(turn_detection="silence", preemptive_generation=False)))
     feed_audio(live.voice, question("Tell me a long story."), real_time=False)
     assert wait_for(lambda: character.pushed >= 1)
     time.sleep(1.5)  # into the first sentence (about 4 s of speech)
@@ -320,9 +321,11 @@ def test_a_reply_cut_short_is_in_the_transcript_and_its_recording(tmp_path):
     assert cut.text and cut.text.split() == LONG_REPLY[0].split()[: len(cut.text.split())]
     assert any(m["content"] == cut.text + " (interrupted)" for m in _messages(live.transcript))
     rows = [json.loads(line) for line in (live.recorder.folder / "transcript.jsonl").read_text().splitlines()]
-    assert [r["role"] for r in rows] == ["user", "assistant", "user", "assistant"]
-    assert rows[1]["text"] == cut.text and rows[1]["interrupted"] is True
-    assert rows[3]["text"] == "Sure, I'm listening." and "interrupted" not in rows[3]
+    # the cut line is written when the reply's books close, which on a loaded machine can follow the next question
+    users, replies = [r for r in rows if r["role"] == "user"], [r for r in rows if r["role"] == "assistant"]
+    assert len(users) == 2 and len(replies) == 2
+    assert replies[0]["text"] == cut.text and replies[0]["interrupted"] is True
+    assert replies[1]["text"] == "Sure, I'm listening." and "interrupted" not in replies[1]
 
 
 def test_a_voice_loop_that_fails_to_close_does_not_keep_the_rest_open(tmp_path):

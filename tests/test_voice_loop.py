@@ -217,7 +217,8 @@ def test_barge_in_while_a_finished_reply_plays_cuts_it_back_to_what_was_heard(mo
     sink, events = FakeEngineSink(), []
     agent = ScriptedAgent(story, ["Sure."])
     path = tmp_path / "trace.jsonl"
-    with make_loop(models, sink, agent=agent, events=events, trace_path=str(path)) as loop:
+    # each scripted reply made once, at the end of its turn (a reply begun at a pause would take the next script)
+    with make_loop(models, sink, agent=agent, events=events, trace_path=str(path), preemptive_generation=False) as loop:
         clock = feed_audio(loop, question("Tell me a story.", after_s=0.6))
         while not (loop.trace.turns and loop.trace.turns[0].written):  # the microphone stays open meanwhile
             clock = feed_audio(loop, np.zeros(512, np.float32), clock=clock)
