@@ -170,10 +170,12 @@ def _barge_ins(controller, count: int) -> dict[str, Any]:
         browser.close()
     controller.stop()
     measured = [r for r in rows if r["voice_playing_when_user_spoke"] and r["status"] == "interrupted"]
-    return {"measured": "page: the user's first sample of speech -> the character's last loud sample (5 ms ticks); "
-                        "server: the voice loop's barge_in stamp, on the same wall clock",
+    return {"measured": "page: the user's first sample of speech -> the character's last loud sample heard (5 ms ticks; "
+                        "voice_received: loud in the stream, muted or not); server: the voice loop's barge_in stamp, "
+                        "on the same wall clock",
             "asked": count, "cut": len(measured),
             "voice_stopped_s": summarize([r["voice_stopped_ms"] / 1000 for r in measured]),
+            "voice_received_s": summarize([r["voice_received_ms"] / 1000 for r in measured]),
             "detected_s": summarize([r["detected_ms"] / 1000 for r in measured if r["detected_ms"] is not None]),
             "rows": rows}
 

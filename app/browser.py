@@ -53,10 +53,12 @@ def conversation_wav(path: str | Path, utterances: list[np.ndarray], lead_s: flo
 
 # A microphone the test plays into: getUserMedia answers with a WebAudio stream, and `window.scriptedMic.say`
 # plays 16 kHz samples into it at a known moment (epoch ms). The character's voice as the page plays it is
-# watched too: `window.scriptedMic.voiceLoud` holds the epoch ms of every 5 ms tick when it was loud.
+# watched too: `window.scriptedMic.voiceLoud` holds the epoch ms of every 5 ms tick when it was loud and the video
+# element playing it was not muted (heard), `voiceReceived` every tick it was loud in the stream (muted or not).
 SCRIPTED_MIC = """(() => {
   const epochMs = () => performance.timeOrigin + performance.now();
-  const mic = window.scriptedMic = { ctx: null, dest: null, constraints: [], voiceLoud: [], watching: null };
+  const mic = window.scriptedMic = { ctx: null, dest: null, constraints: [], voiceLoud: [], voiceReceived: [],
+                                     watching: null };
   navigator.mediaDevices.getUserMedia = async (constraints) => {
     mic.constraints.push(constraints);
     if (!mic.ctx) {
@@ -98,7 +100,9 @@ SCRIPTED_MIC = """(() => {
       analyser.getFloatTimeDomainData(buf);
       let sum = 0;
       for (const x of buf) sum += x * x;
-      if (Math.sqrt(sum / buf.length) > 0.01) mic.voiceLoud.push(epochMs());
+      if (Math.sqrt(sum / buf.length) <= 0.01) return;
+      mic.voiceReceived.push(epochMs());
+      if (!document.getElementById("tl-video").muted) mic.voiceLoud.push(epochMs());
     }, 5);
     return true;
   };
@@ -197,19 +201,25 @@ def ask_and_hear_the_reply(page, live, question: np.ndarray) -> tuple[dict, floa
 
 
 def barge_in(page, live, question: np.ndarray, interjection: np.ndarray) -> dict[str, Any]:
-    """Ask `question`, and while its reply's voice plays, say `interjection`. Measured in the page: from the first
-    sample of the user's speech to the last loud sample of the character's voice before a second of quiet
-    (`voice_stopped_ms`); and on the server, when the voice loop cut the reply (`detected_ms`, the page's clock
+    """Ask `question`, and while its reply's voice plays, say `interjection`. Measured in the page, from the first
+    sample of the user's speech: to the last sample of the character's voice heard loud (the video element not
+    muted) before a second of quiet (`voice_stopped_ms`), and to the last one received loud in its stream, muted or
+    not (`voice_received_ms`); and on the server, when the voice loop cut the reply (`detected_ms`, the page's clock
     and the server's both read as wall time on this machine)."""
     record, _ = ask_and_hear_the_reply(page, live, question)
     spoke = say_while_voice_loud(page, interjection[speech_bounds(interjection)[0]:])
     playing = len(voice_loud_since(page, spoke - 100)) >= 10
     wait_until(lambda: page_now_ms(page) > spoke + 3000, 10, "three seconds after the barge-in")
-    loud = voice_loud_since(page, spoke - 1000)
-    stopped = next((a for a, b in zip(loud, loud[1:]) if b - a >= 1000), loud[-1] if loud else spoke)
+
+    def last_before_quiet(ticks: list[float]) -> float:
+        return next((a for a, b in zip(ticks, ticks[1:]) if b - a >= 1000), ticks[-1] if ticks else spoke)
+
+    heard = last_before_quiet(voice_loud_since(page, spoke - 1000))
+    received = last_before_quiet(page.evaluate("(since) => window.scriptedMic.voiceReceived.filter((t) => t >= since)",
+                                               spoke - 1000))
     cut = next(r for r in live.turn_records() if r["turn_id"] == record["turn_id"])
     wall = time.time() - time.monotonic()
     detected = cut["stamps"].get("barge_in")
-    return {"turn": cut, "voice_playing_when_user_spoke": playing, "voice_stopped_ms": round(stopped - spoke, 1),
+    return {"turn": cut, "voice_playing_when_user_spoke": playing, "voice_stopped_ms": round(heard - spoke, 1),
+            "voice_received_ms": round(received - spoke, 1),
             "detected_ms": None if detected is None else round(1000 * (detected + wall) - spoke, 1)}
-

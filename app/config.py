@@ -55,6 +55,9 @@ class AppConfig:
                                                 "from the speakers out of it)")
     mic_auto_gain: bool = setting(False, "browser microphone: automatic gain control (on, it cut first and last words)")
     mic_noise_suppression: bool = setting(False, "browser microphone: noise suppression")
+    client_interruption_ms: int = setting(80, "browser: the page silences the character's voice once the user has "
+                                              "spoken over it this long, before the server's barge-in reaches it "
+                                              "(0: off; docs/app.md, \"Barge-in and Stop\")")
     agent: str = setting("local", "replies: local (a small language model in this process) or openai "
                                   "(an OpenAI-compatible endpoint you run, for bigger models)")
     llm: str = setting("qwen2.5-1.5b", "agent local: the language model (qwen2.5-1.5b, or the lighter qwen2.5-0.5b)")
@@ -75,6 +78,8 @@ class AppConfig:
                                                 "seconds; a complete one ends then")
     max_endpointing_delay: float = setting(1.6, "smart_turn: silence that ends a turn the model finds incomplete, "
                                                 "in seconds")
+    check_words: bool = setting(True, "smart_turn: a turn the model finds complete waits while its words so far "
+                                      "cannot end it (a trailing 'and', a lone 'If ...' clause)")
     preemptive_generation: bool = setting(True, "start the reply at the user's pause, heard only once the turn "
                                                 "has ended with the same words")
     min_silence_ms: int = setting(300, "turn_detection silence: silence that ends the user's turn, in ms")
@@ -99,6 +104,7 @@ class AppConfig:
             (self.llm_threads is None or self.llm_threads >= 1, f"llm_threads must be >= 1, got {self.llm_threads}"),
             (0.0 < self.vad_threshold < 1.0, f"vad_threshold must be between 0 and 1, got {self.vad_threshold}"),
             (self.min_silence_ms > 0 and self.preroll_ms >= 0, "min_silence_ms must be > 0 and preroll_ms >= 0"),
+            (self.client_interruption_ms >= 0, f"client_interruption_ms must be >= 0, got {self.client_interruption_ms}"),
             (0 < self.min_endpointing_delay < self.max_endpointing_delay,
              "need 0 < min_endpointing_delay < max_endpointing_delay, got "
              f"{self.min_endpointing_delay}, {self.max_endpointing_delay}"),

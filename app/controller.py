@@ -57,7 +57,8 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
     loop = VoiceLoopConfig(
         vad=VADConfig(threshold=config.vad_threshold, min_silence_ms=config.min_silence_ms, speech_pad_ms=config.preroll_ms),
         turn_detection=config.turn_detection, min_endpointing_delay=config.min_endpointing_delay,
-        max_endpointing_delay=config.max_endpointing_delay, preemptive_generation=config.preemptive_generation)
+        max_endpointing_delay=config.max_endpointing_delay, check_words=config.check_words,
+        preemptive_generation=config.preemptive_generation)
     try:
         turn_model = SmartTurn() if loop.turn_detection == "smart_turn" else None
     except Exception as e:

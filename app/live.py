@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 FrameListener = Callable[[AVFrame, float], None]
 TurnListener = Callable[[int, float], None]
+InterruptListener = Callable[[int], None]
 
 
 class EngineSink:
@@ -86,6 +87,7 @@ class LiveSession:
         self.sink = EngineSink(self.character)
         self._listeners: list[FrameListener] = []
         self._turn_listeners: list[TurnListener] = []
+        self._interrupt_listeners: list[InterruptListener] = []
         self._lock = threading.Lock()
         self._pump: threading.Thread | None = None
         self.av_offsets_ms: deque[float] = deque(maxlen=30)  # the browser's video - audio playout estimates
@@ -110,17 +112,25 @@ class LiveSession:
         self._pump.start()
 
     # Listeners (WebRTC peers) ------------------------------------------------------------------
-    def add_listener(self, frames: FrameListener, turns: TurnListener) -> None:
+    def add_listener(self, frames: FrameListener, turns: TurnListener,
+                     interrupts: InterruptListener | None = None) -> None:
+        """frames: every released frame; turns: a turn's first speaking frame; interrupts: the voice loop cut a
+        reply short because the user spoke over it (the page silences what it still has buffered)."""
         with self._lock:
             self._listeners.append(frames)
             self._turn_listeners.append(turns)
+            if interrupts is not None:
+                self._interrupt_listeners.append(interrupts)
 
-    def remove_listener(self, frames: FrameListener, turns: TurnListener) -> None:
+    def remove_listener(self, frames: FrameListener, turns: TurnListener,
+                        interrupts: InterruptListener | None = None) -> None:
         with self._lock:
             if frames in self._listeners:
                 self._listeners.remove(frames)
             if turns in self._turn_listeners:
                 self._turn_listeners.remove(turns)
+            if interrupts in self._interrupt_listeners:
+                self._interrupt_listeners.remove(interrupts)
 
     # Audio in -----------------------------------------------------------------------------------
     def feed_mic(self, pcm: np.ndarray, sample_rate: int) -> None:
@@ -179,6 +189,12 @@ class LiveSession:
 
     # Transcript -----------------------------------------------------------------------------------
     def _on_voice_event(self, event: LoopEvent) -> None:
+        if event.kind == "barge_in":
+            with self._lock:
+                listeners = list(self._interrupt_listeners)
+            for listener in listeners:
+                listener(event.turn_id)
+            return
         with self._lock:
             if event.kind in ("user_partial", "user_final"):
                 line = self._line(event.turn_id, "user")

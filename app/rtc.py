@@ -150,6 +150,9 @@ class Peer:
         self.loop.call_soon_threadsafe(self._send, {"type": "speaking", "turn": turn_id,
                                                     "released_ms": self.clock.to_browser_ms(t)})
 
+    def on_barge_in(self, turn_id: int) -> None:
+        self.loop.call_soon_threadsafe(self._send, {"type": "barge_in", "turn": turn_id})
+
     def _send(self, message: dict) -> None:
         if self.channel is not None and self.channel.readyState == "open":
             self.channel.send(json.dumps(message))
@@ -177,7 +180,7 @@ class Peer:
         pc.addTrack(self.video)
         pc.addTrack(self.audio)
         await pc.setLocalDescription(await pc.createAnswer())
-        self.live.add_listener(self.on_frame, self.on_speaking)
+        self.live.add_listener(self.on_frame, self.on_speaking, self.on_barge_in)
         return pc.localDescription
 
     async def _read_mic(self, track) -> None:
@@ -222,7 +225,7 @@ class Peer:
         if self.closed:
             return
         self.closed = True
-        self.live.remove_listener(self.on_frame, self.on_speaking)
+        self.live.remove_listener(self.on_frame, self.on_speaking, self.on_barge_in)
         for task in self.tasks:
             task.cancel()
         await self.pc.close()

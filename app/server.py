@@ -39,7 +39,9 @@ def build_api(controller: Controller) -> FastAPI:
 
     @api.get("/talkloop/client-config")
     async def client_config() -> dict:
-        return {"audio_input": controller.config.audio_input, "microphone": controller.config.microphone_constraints()}
+        config = controller.config
+        return {"audio_input": config.audio_input, "microphone": config.microphone_constraints(),
+                "interruption_ms": config.client_interruption_ms}
 
     @api.post("/talkloop/offer")
     async def offer(request: Request):

@@ -8,9 +8,9 @@ import pytest
 
 import voice.llm as llm_module
 from voice.agent import ReplyAgent
-from voice.agent_bench import CONVERSATIONS, run_conversations, score
+from voice.agent_bench import CONVERSATIONS, T, run_conversations, score
 from voice.llm import MODELS, LocalLLM, LocalLLMAgent, ModelPackage, model_file
-from voice.personas import PERSONAS
+from voice.personas import EXAMPLE_EXCHANGE, PERSONAS
 
 
 def fake_model(tmp_path: Path, parts: list[bytes]) -> tuple[ModelPackage, list[Path]]:
@@ -76,6 +76,36 @@ def test_the_shipped_model_gets_most_of_a_question_sample_right(llm):
     report = score(results)
     assert report["correct_share"] >= 0.75, [(r["said"], r["reply"]) for r in results if not r["correct"]]
     assert report["replies_with_markup_to_tts"] == 0 and report["replies_with_figures_to_tts"] == 0
+
+
+class _ScriptedAgent:
+    def __init__(self, replies: list[str]) -> None:
+        self.replies = iter(replies)
+
+    def stream_reply(self, user_text, history=()):
+        yield next(self.replies)
+
+
+def test_a_reply_that_speaks_of_itself_as_an_ai_is_scored_wrong_whatever_it_says():
+    conversations = ((T("What's your favourite movie?", kind="opinion"),), (T("Which planet is the red planet?", "mars"),),
+                     (T("What music do you like?", kind="opinion"),))
+    results = run_conversations(_ScriptedAgent([
+        "As an AI language model, I don't have personal preferences. Many people like Star Wars.",
+        "As an AI, I can tell you it is Mars.",
+        "I love old soul records, Otis Redding most of all."]), conversations)
+    assert [r["out_of_character"] for r in results] == [True, True, False]
+    assert [r["correct"] for r in results] == [False, False, True]
+    assert score(results)["replies_out_of_character"] == 2
+
+
+def test_the_example_exchange_stays_when_old_exchanges_leave_a_full_context(llm):
+    agent = LocalLLMAgent(llm, max_history_turns=100, history_slide=1)
+    history = [(f"Tell me fact number {i} about the sea, please. " * 8, "The sea is deep and wide and blue. " * 8)
+               for i in range(40)]
+    prompt = agent.prompt("And one more?", history)
+    assert llm.count_tokens(prompt) <= llm.context_tokens - agent.max_tokens
+    assert EXAMPLE_EXCHANGE[1] in prompt and "fact number 0 " not in prompt and "fact number 39 " in prompt
+    assert prompt.index(EXAMPLE_EXCHANGE[1]) < prompt.index("fact number 39 ")
 
 
 def test_a_cancelled_reply_generates_no_more_tokens(llm):

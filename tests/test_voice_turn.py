@@ -7,7 +7,7 @@ import pytest
 from voice import turn as turn_module
 from voice.loop import LoopEvent, RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
 from voice.samples import piper_speech, speech_bounds, with_silence
-from voice.turn import SmartTurn, log_mel_features, model_path
+from voice.turn import SmartTurn, log_mel_features, model_path, unfinished_words
 from voice.turn_bench import paused_speech
 
 
@@ -91,8 +91,10 @@ def test_a_pause_mid_sentence_stays_one_turn_and_the_end_is_judged_complete(smar
     [turn] = turns
     assert turn.info["end_reason"] == "smart_turn"
     judgements = turn.info["turn_judgements"]
-    # any judgement of the pause found it unfinished (a loaded machine may feed the pause in one go, unjudged)
-    assert all(j["probability"] < 0.5 for j in judgements[:-1]) and judgements[-1]["probability"] >= 0.5
+    # any judgement of the pause found it unfinished, by the voice or by the words heard so far (a loaded machine may
+    # feed the pause in one go, unjudged)
+    assert all(j["probability"] < 0.5 or "unfinished_words" in j for j in judgements[:-1]), judgements
+    assert judgements[-1]["probability"] >= 0.5 and "unfinished_words" not in judgements[-1], judgements
     assert "apples" in turn.info["user_text"] and "market" in turn.info["user_text"]
     # the turn ended on the model's word, well before the silence rule's 1.6 s
     assert turn.stamps["speech_end"] - turn.stamps["last_voiced_audio"] < 1.2
@@ -121,6 +123,32 @@ def test_the_model_is_asked_ahead_and_a_complete_turn_ends_at_the_minimum_delay_
     assert turn.info["end_reason"] == "smart_turn"
     # ended when the silence reached min_endpointing_delay (0.2 s), not at the verdict (fed in 32 ms chunks)
     assert turn.stamps["speech_end"] - turn.stamps["last_voiced_audio"] >= 0.2 - 0.035
+
+
+@pytest.mark.parametrize("words, unfinished", [
+    ("My favorite color is green.", False), ("I tried to bake some bread.", False), ("Thank you, that was fun.", False),
+    ("What is the capital of France?", False), ("If it is sunny tomorrow shall we go for a walk?", False),
+    ("When I was young, I lived in Paris.", False), ("", False),
+    ("When you have a moment.", True), ("If it is sunny tomorrow,", True), ("It was raining all day so,", True),
+    ("I went to the market this morning and.", True), ("Can you tell me about the", True)])
+def test_words_that_cannot_end_a_turn(words, unfinished):
+    assert unfinished_words(words) is unfinished
+
+
+def test_an_opening_clause_the_model_finds_complete_waits_for_the_rest():
+    """The model hears the voice fall at "moment," as at a full stop; the words heard so far hold the turn open."""
+    model = AlwaysComplete()
+    loop = VoiceLoop(RecordingSink(), agent=Silent(), config=VoiceLoopConfig(), turn_model=model)
+    with loop:
+        speech = paused_speech("When you have a moment, | could you tell me a joke?", 0.7)
+        feed_audio(loop, with_silence(speech, before_s=0.4, after_s=2.0), real_time=True)
+        assert loop.wait_idle(20)
+    turns = [t for t in loop.trace.turns if "speech_end" in t.stamps]
+    assert len(turns) == 1, [t.info for t in turns]
+    [turn] = turns
+    assert "moment" in turn.info["user_text"] and "joke" in turn.info["user_text"]
+    assert any("unfinished_words" in j for j in turn.info["turn_judgements"]), turn.info["turn_judgements"]
+    assert turn.info["end_reason"] == "smart_turn"
 
 
 def test_silence_mode_keeps_the_old_rule_and_bad_settings_are_refused():

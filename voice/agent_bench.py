@@ -5,7 +5,8 @@
 Each conversation is a fresh session; its turns carry the conversation so far, as the voice loop
 does. Every turn names the facts a right answer must contain (each fact: any one of its spellings,
 matched on the spoken text, so "8" and "eight" both pass as "eight"). Follow-ups need the turn
-before them. Replies go through the same path as in the loop (`spoken_stream`, then
+before them; asked for its own taste, any answer a person would give is right. A reply that speaks of itself
+as an AI or a language model is wrong whatever it says. Replies go through the same path as in the loop (`spoken_stream`, then
 `SentenceSplitter`), and what would reach speech synthesis is checked for list or markdown syntax,
 emoji and figures. Timings: first text and the whole reply, per turn.
 """
@@ -86,6 +87,13 @@ CONVERSATIONS: tuple[tuple[Turn, ...], ...] = (
      T("What number was I thinking of?", "seven", kind="follow-up")),
     (T("What's the biggest planet in our solar system?", "jupiter"),
      T("Is it bigger than Earth?", "yes", kind="follow-up")),
+    # Asked for its own taste: any answer is right that a person would give (never "as an AI, I have no preferences").
+    (T("What would you recommend for dinner tonight?", kind="opinion"),),
+    (T("What's your favourite movie?", kind="opinion"),),
+    (T("Which is better, cats or dogs?", kind="opinion"),),
+    (T("What music do you like?", kind="opinion"),),
+    (T("What's the best season of the year?", kind="opinion"),),
+    (T("What would you do with a free afternoon?", kind="opinion"),),
     (T("Thanks, that was really helpful.", ("welcome", "glad", "pleasure", "happy", "anytime"), kind="small talk"),),
 )
 
@@ -93,6 +101,9 @@ CONVERSATIONS: tuple[tuple[Turn, ...], ...] = (
 _LIST_OR_MARKUP = re.compile(r"(^|\s)(\d+[.)]|[-*•+])\s|[*_#`|\[\]]|https?://")
 _PICTOGRAPH = re.compile("[\U0001f000-\U0001faff\u2600-\u27bf]")
 _FIGURE = re.compile(r"\d")
+# Out of character: the model speaking of itself as a program. A reply that does is not a right answer.
+_OUT_OF_CHARACTER = re.compile(r"\b(as an ai|an ai\b|language model|artificial intelligence|(have|has) no personal|"
+                               r"(don't|do not) have (personal |any )?(preferences|opinions|feelings|emotions|a body))", re.I)
 
 
 def normalise(text: str) -> str:
@@ -135,9 +146,11 @@ def run_conversations(agent, conversations=CONVERSATIONS) -> list[dict[str, Any]
             total = time.perf_counter() - started
             reply = " ".join(sentences)
             missing = [f[0] for f in turn.facts if not has_fact(reply, f)]
+            out_of_character = bool(_OUT_OF_CHARACTER.search(reply))
             results.append({
                 "conversation": number, "kind": turn.kind, "said": turn.said, "reply": reply,
-                "correct": not missing, "missing": missing,
+                "correct": not missing and not out_of_character, "missing": missing,
+                "out_of_character": out_of_character,
                 "markup_to_tts": [s for s in sentences if _LIST_OR_MARKUP.search(s) or _PICTOGRAPH.search(s)],
                 "figures_to_tts": [s for s in sentences if _FIGURE.search(s)],
                 "sentences": len(sentences),
@@ -159,6 +172,7 @@ def score(results: list[dict[str, Any]]) -> dict[str, Any]:
         "correct_share": share(results),
         "follow_up_share": share(follow_ups),
         "by_kind": {k: share([r for r in results if r["kind"] == k]) for k in sorted({r["kind"] for r in results})},
+        "replies_out_of_character": sum(r["out_of_character"] for r in results),
         "replies_with_markup_to_tts": sum(bool(r["markup_to_tts"]) for r in results),
         "replies_with_figures_to_tts": sum(bool(r["figures_to_tts"]) for r in results),
         "sentences_median": sorted(r["sentences"] for r in results)[len(results) // 2] if results else None,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .personas import DEFAULT_PERSONA, Persona, system_prompt
+from .personas import DEFAULT_PERSONA, EXAMPLE_EXCHANGE, Persona, system_prompt
 
 log = logging.getLogger(__name__)
 
@@ -359,8 +359,10 @@ class LocalLLMAgent:
         now = self.clock()
         today = f"Today is {now.strftime('%A')}, {now.day} {now.strftime('%B %Y')}."
         parts = [f"{self.IM_START}system\n{self.system_prompt} {today}{self.IM_END}\n"]
+        parts.append(self._exchange(*EXAMPLE_EXCHANGE))  # kept, like the system prompt, when old exchanges go
+        fixed = len(parts)
         for said, answered in self.window(history):
-            parts.append(f"{self.IM_START}user\n{said}{self.IM_END}\n{self.IM_START}assistant\n{answered}{self.IM_END}\n")
+            parts.append(self._exchange(said, answered))
         if user_text is not None and not whole:
             parts.append(f"{self.IM_START}user\n{user_text}")
         elif user_text is not None:
@@ -370,10 +372,13 @@ class LocalLLMAgent:
         prompt = "".join(parts)
         # A conversation longer than the context fits drops its oldest exchanges.
         budget = self.llm.context_tokens - self.max_tokens
-        while len(parts) > 2 and self.llm.count_tokens(prompt) > budget:
-            del parts[1]
+        while len(parts) > fixed + 1 and self.llm.count_tokens(prompt) > budget:
+            del parts[fixed]
             prompt = "".join(parts)
         return prompt
+
+    def _exchange(self, said: str, answered: str) -> str:
+        return f"{self.IM_START}user\n{said}{self.IM_END}\n{self.IM_START}assistant\n{answered}{self.IM_END}\n"
 
     def prepare(self, history: Sequence[Exchange] = (), user_text: str | None = None,
                 stop: Callable[[], bool] | None = None) -> None:

@@ -33,7 +33,7 @@ from .audio import SAMPLE_RATE, StreamResampler, resample, to_mono_float32
 from .spoken import spoken_stream
 from .trace import SessionTrace, TurnTrace, now
 from .tts import PiperTTS, SentenceSplitter
-from .turn import SmartTurn
+from .turn import SmartTurn, unfinished_words
 from .vad import WINDOW, StreamingVAD, VADConfig
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,8 @@ class VoiceLoopConfig:
     # 0.05-0.3 s on a CPU, is in when the silence reaches min_endpointing_delay; a complete turn ends then.
     turn_model_lead_s: float = 0.1
     turn_threshold: float = 0.5  # Smart Turn's probability of a complete turn at or above which it ends
+    # A complete verdict waits while the newest transcript of the turn cannot end it (voice/turn.py, unfinished_words).
+    check_words: bool = True
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
     barge_in: bool = True
@@ -205,6 +207,7 @@ class _Turn:
     last_voiced_t: float = 0.0
     ended: bool = False
     transcripts: list[tuple[int, str, float]] = field(default_factory=list)  # (covered up to sample, text, decode start)
+    words: tuple[int, str] = (0, "")  # the newest decode of any kind: (covered up to sample, text)
     inflight: list[tuple[int, str]] = field(default_factory=list)  # (covered up to sample, kind) of running decodes
     last_job_t: float = -1e9
     last_job_until: int = 0
@@ -520,7 +523,11 @@ class VoiceLoop:
                 judged = turn.trace.info.setdefault("turn_judgements", [])
                 judged.append({"silence_s": round((until - voiced_end) / SAMPLE_RATE, 3),
                                "probability": round(probability, 3), "model_s": round(now() - started, 3)})
-                if probability >= self.config.turn_threshold:
+                words = turn.words[1]
+                if probability >= self.config.turn_threshold and self.config.check_words and unfinished_words(words):
+                    judged[-1]["unfinished_words"] = words  # "When you have a moment." waits for what comes next
+                    turn.judge_at = until + int(self.config.turn_recheck_s * SAMPLE_RATE)
+                elif probability >= self.config.turn_threshold:
                     turn.complete_at = voiced_end + int(self.config.min_endpointing_delay * SAMPLE_RATE)
                     if self._history.total >= turn.complete_at:
                         self._end_judged_turn(turn, now())
@@ -634,6 +641,8 @@ class VoiceLoop:
                     continue
                 if kind == "final":
                     turn.transcripts.append((until, text, started))
+                if until >= turn.words[0]:
+                    turn.words = (until, text)
                 turn.trace.info[f"asr_{kind}_decodes"] = turn.trace.info.get(f"asr_{kind}_decodes", 0) + 1
                 partial = not turn.ended
             if partial and text:

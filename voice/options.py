@@ -84,6 +84,9 @@ def add_loop_args(parser: argparse.ArgumentParser) -> None:
                         help="smart_turn: silence after which a turn the model finds complete ends (seconds)")
     parser.add_argument("--max-endpointing-delay", type=_positive_seconds, default=loop.max_endpointing_delay,
                         help="smart_turn: silence that ends a turn the model finds incomplete (seconds)")
+    parser.add_argument("--no-check-words", dest="check_words", action="store_false",
+                        help="smart_turn: end a turn the model finds complete even when its words so far cannot end it "
+                             "(a trailing 'and', a lone 'If ...' clause)")
     parser.add_argument("--min-silence-ms", type=_milliseconds, default=vad.min_silence_ms,
                         help="silence that ends a turn (with --turn-detection silence)")
     parser.add_argument("--speech-pad-ms", type=_milliseconds, default=vad.speech_pad_ms, help="audio kept around speech (pre-roll)")
@@ -110,6 +113,7 @@ def build_loop(args: argparse.Namespace, sink: AudioSink) -> VoiceLoop:
         turn_detection=args.turn_detection,
         min_endpointing_delay=args.min_endpointing_delay,
         max_endpointing_delay=args.max_endpointing_delay,
+        check_words=args.check_words,
         trace_path=args.trace,
     )
     asr = WhisperASR(model=args.asr_model, device=args.device)

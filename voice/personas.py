@@ -39,6 +39,11 @@ SYSTEM_PROMPT = (
 )
 
 
+# One exchange shown to the model before the conversation, inside its cached prefix: answered as a person with
+# tastes of their own, it keeps a small model in character (docs/app.md, "The character's mind").
+EXAMPLE_EXCHANGE = ("What is your favourite food?", "Easy: a big bowl of noodle soup with lots of chilli. It warms me right up.")
+
+
 def persona_for(preset: str, name: str | None = None) -> Persona:
     """The persona of a character preset (a preset without one gets the default's personality); `name`
     renames it."""

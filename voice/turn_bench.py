@@ -89,8 +89,8 @@ class _Silent:
         return iter(())
 
 
-def run_mode(mode: str, questions: list[tuple[str, np.ndarray, bool]]) -> dict[str, Any]:
-    config = VoiceLoopConfig(turn_detection=mode, vad=VADConfig(min_silence_ms=300))
+def run_mode(mode: str, questions: list[tuple[str, np.ndarray, bool]], check_words: bool = True) -> dict[str, Any]:
+    config = VoiceLoopConfig(turn_detection=mode, vad=VADConfig(min_silence_ms=300), check_words=check_words)
     loop = VoiceLoop(RecordingSink(), agent=_Silent(), config=config)
     rows = []
     try:
@@ -122,6 +122,7 @@ def run_mode(mode: str, questions: list[tuple[str, np.ndarray, bool]]) -> dict[s
     cut = sum(r["cut_early"] for r in paused_rows)
     return {
         "mode": mode,
+        **({"check_words": check_words} if mode == "smart_turn" else {}),
         "cut_early": cut,
         "cut_early_straight": sum(r["cut_early"] for r in straight),
         "paused_questions": len(paused_rows),
@@ -131,12 +132,12 @@ def run_mode(mode: str, questions: list[tuple[str, np.ndarray, bool]]) -> dict[s
     }
 
 
-def run_bench(modes: tuple[str, ...]) -> dict[str, Any]:
+def run_bench(modes: tuple[str, ...], check_words: bool = True) -> dict[str, Any]:
     questions = [(q, piper_speech(q), False) for q in COMPLETE]
     questions += [(q, paused_speech(q, PAUSES_S[i % len(PAUSES_S)]), True) for i, q in enumerate(PAUSED)]
     order = [questions[i // 2 + (i % 2) * len(COMPLETE)] for i in range(len(questions))]  # alternate the two sets
     load_before = os.getloadavg()
-    results = [run_mode(mode, order) for mode in modes]
+    results = [run_mode(mode, order, check_words) for mode in modes]
     return {
         "benchmark": "end of turn: paused questions cut early, end-of-turn delay on questions said straight through",
         "speech_source": "piper",
@@ -156,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--mode", choices=MODES, action="append", help="a mode to run (default: both)")
+    parser.add_argument("--no-check-words", dest="check_words", action="store_false",
+                        help="smart_turn on the model's verdict alone (the loop's check_words off)")
     args = parser.parse_args(argv)
     try:
-        report = run_bench(tuple(args.mode or MODES))
+        report = run_bench(tuple(args.mode or MODES), args.check_words)
     except KeyboardInterrupt:
         return report_failure("interrupted", args.json, EXIT_INTERRUPTED)
     except (ValueError, OSError, RuntimeError) as err:

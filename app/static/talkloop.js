@@ -2,8 +2,14 @@
 // the character's video and voice down, and delivery reports measured here in the browser.
 (() => {
   const SILENT_RMS = 0.003, LOUD_RMS = 0.01, QUIET_BEFORE_MS = 150;
+  // Barge-in at the page: the user's voice (the echo-cancelled microphone) this loud for config.interruption_ms
+  // while the character's voice played in the last VOICE_RECENT_MS silences the character at once; the server's
+  // barge_in confirms it (its own VAD, ~0.2-0.7 s later), and the voice comes back once what was buffered has
+  // drained; unconfirmed (a cough the server ignored), it comes back after UNCONFIRMED_MS.
+  const MIC_SPEECH_RMS = 0.02, VOICE_RECENT_MS = 250, DRAINED_MS = 200, UNCONFIRMED_MS = 1500;
   const state = { pc: null, channel: null, mic: null, ctx: null, timer: null, syncTimer: null, onsets: [], frames: [], pending: new Map(), framesShown: 0,
-                  watching: false, startTicket: 0 };
+                  watching: false, startTicket: 0, micCtx: null, micTimer: null, voiceLoudAt: -Infinity,
+                  silencedAt: null, silenceConfirmed: false };
   // Bumped by every connect() and disconnect(): a connect() still in flight from before (Start pressed twice, a
   // preset switched twice, Stop during a start) finds itself stale after its next await, closes what it opened
   // and sends no offer, so it cannot take the place of the connection the page shows.
@@ -45,11 +51,48 @@
       let sum = 0;
       for (const x of buf) sum += x * x;
       const rms = Math.sqrt(sum / buf.length), t = epochMs();
+      if (rms > LOUD_RMS) state.voiceLoudAt = t;
+      if (state.silencedAt !== null && (state.silenceConfirmed ? t - state.voiceLoudAt >= DRAINED_MS : t - state.silencedAt >= UNCONFIRMED_MS)) {
+        unsilence();
+      }
       if (rms < SILENT_RMS) { if (quietSince === null) quietSince = t; }
       else if (rms > LOUD_RMS && quietSince !== null) {
         if (t - quietSince >= QUIET_BEFORE_MS) { state.onsets.push(t); state.onsets = state.onsets.slice(-50); checkPending(); }
         quietSince = null;
       }
+    }, 5);
+  }
+
+  // The user speaking over the character: the character's voice is silenced here (the video element muted).
+  function silence() {
+    if (state.silencedAt !== null) return;
+    $("tl-video").muted = true;
+    state.silencedAt = epochMs();
+    state.silenceConfirmed = false;
+  }
+
+  function unsilence() {
+    $("tl-video").muted = false;
+    state.silencedAt = null;
+  }
+
+  function watchMic(stream, interruptionMs) {
+    if (!interruptionMs) return;
+    state.micCtx = new AudioContext();
+    const analyser = state.micCtx.createAnalyser();
+    analyser.fftSize = 512;
+    state.micCtx.createMediaStreamSource(stream).connect(analyser);
+    const buf = new Float32Array(analyser.fftSize);
+    let loudSince = null;
+    clearInterval(state.micTimer);
+    state.micTimer = setInterval(() => {
+      analyser.getFloatTimeDomainData(buf);
+      let sum = 0;
+      for (const x of buf) sum += x * x;
+      const rms = Math.sqrt(sum / buf.length), t = epochMs();
+      if (rms >= MIC_SPEECH_RMS) { if (loudSince === null) loudSince = t; }
+      else if (rms < MIC_SPEECH_RMS / 2) loudSince = null;
+      if (loudSince !== null && t - loudSince >= interruptionMs && t - state.voiceLoudAt <= VOICE_RECENT_MS) silence();
     }, 5);
   }
 
@@ -91,6 +134,9 @@
     else if (message.type === "speaking") {
       state.pending.set(message.turn, message.released_ms === null ? epochMs() - 5000 : message.released_ms);
       checkPending();
+    } else if (message.type === "barge_in") {  // the server cut the reply: what the page still buffers is not played
+      silence();
+      state.silenceConfirmed = true;
     }
   }
 
@@ -135,7 +181,10 @@
     pc = new RTCPeerConnection({ iceServers: [] });
     state.pc = pc;
     state.mic = mic;
-    if (mic) mic.getTracks().forEach((track) => pc.addTrack(track, mic));
+    if (mic) {
+      mic.getTracks().forEach((track) => pc.addTrack(track, mic));
+      watchMic(mic, config.interruption_ms);
+    }
     else pc.addTransceiver("audio", { direction: "recvonly" });
     pc.addTransceiver("video", { direction: "recvonly" });
     state.channel = pc.createDataChannel("talkloop");
@@ -203,7 +252,11 @@
     if (state.mic) { state.mic.getTracks().forEach((t) => t.stop()); state.mic = null; }
     clearInterval(state.timer);
     clearInterval(state.syncTimer);
+    clearInterval(state.micTimer);
     if (state.ctx) { await state.ctx.close(); state.ctx = null; }
+    if (state.micCtx) { await state.micCtx.close(); state.micCtx = null; }
+    if (state.silencedAt !== null) unsilence();
+    state.voiceLoudAt = -Infinity;
     state.pending.clear();
     status("stopped");
   }
