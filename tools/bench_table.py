@@ -249,13 +249,17 @@ def character_replies() -> list[str]:
     rows = [(n, load(f"agent_bench_{n}.json")) for n in ("cpu", "cpu_05b")]
     if any(r for _, r in rows):
         out += ["## The character's replies: what the language model says (CPU)", "",
-                "44 spoken-style turns in 32 conversations, each scored on the facts a right answer contains; what would "
-                "reach speech synthesis checked for list or markdown syntax. Commands: `python -m voice.agent_bench --json`, "
-                "and with `--llm qwen2.5-0.5b` (results: `docs/results/agent_bench_cpu.json`, `..._05b.json`)", "",
-                "| model | where | correct | follow-ups | list or markup to TTS | first text median s |", "|---|---|---|---|---|---|"]
+                "Spoken-style turns (small talk, facts, requests, follow-ups; since the example exchange also questions "
+                "about the character's own taste), each scored on the facts a right answer contains, a reply that speaks of "
+                "itself as an AI counted wrong; what would reach speech synthesis checked for list or markdown syntax. "
+                "Commands: `python -m voice.agent_bench --json`, and with `--llm qwen2.5-0.5b` (results: "
+                "`docs/results/agent_bench_cpu.json`, `..._05b.json`)", "",
+                "| model | where | turns | correct | follow-ups | as an AI | list or markup to TTS | first text median s |",
+                "|---|---|---|---|---|---|---|---|"]
         for _, r in rows:
             if r:
-                out.append(f"| {r['model']} | {r['cpu_count']} cores | {r['correct_share']:.1%} | {r['follow_up_share']:.0%} | "
+                out.append(f"| {r['model']} | {r['cpu_count']} cores | {r['turns']} | {r['correct_share']:.1%} | "
+                           f"{r['follow_up_share']:.0%} | {r.get('replies_out_of_character', '-')} | "
                            f"{r['replies_with_markup_to_tts']} | {r['first_text_s']['median']:.3f} |")
         out.append("")
     runs = [(n, load(f"voice_bench_llm_{n}.json")) for n in ("cpu", "cpu_repeat_1", "cpu_repeat_2", "cpu_05b")]
