@@ -143,7 +143,7 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     }
 
 
-BARGE_IN_QUESTION = "Tell me about the moon and the stars."  # answered in several sentences
+BARGE_IN_QUESTION = "Tell me a story about the moon and the stars."  # a story: up to six sentences
 BARGE_IN_WORDS = "Wait, I have another question."
 
 

@@ -32,22 +32,24 @@ def test_transcript_holds_the_spoken_words(asr):
     assert {"help", "find", "keys"} <= words(text)
 
 
-def test_the_shorter_window_hears_what_the_full_decode_hears(asr):
-    """transcribe (Whisper's encoder over 15 s) against transcribe_full (faster-whisper's 30 s): at most one word
-    apart on each question."""
+@pytest.mark.parametrize("pad_s", [0.3, 5.0])  # a short turn (the 10 s window), one of 6-8 s (the 15 s window)
+def test_the_shorter_window_hears_what_the_full_decode_hears(asr, pad_s):
+    """transcribe (Whisper's encoder over 10 or 15 s) against transcribe_full (faster-whisper's 30 s): at most one
+    word apart on each question."""
     for text in ("Please turn on the lights in the kitchen.", "What is the capital of France?",
                  "Tell me about the moon and the stars."):
-        audio = with_silence(piper_speech(text), 0.3, 0.3)
+        audio = with_silence(piper_speech(text), pad_s, 0.3)
         full, short = words(asr.transcribe_full(audio)), words(asr.transcribe(audio))
         assert words(text) - full == set(), (text, full)
         assert len(full ^ short) <= 2, (full, short)  # one word swapped at most
 
 
-def test_a_turn_longer_than_the_shorter_window_takes_the_full_decode(asr, monkeypatch):
+def test_a_turn_longer_than_the_shorter_windows_takes_the_full_decode(asr, monkeypatch):
     calls = []
     monkeypatch.setattr(asr, "transcribe_full", lambda audio: calls.append(audio.size) or "")
-    asr.transcribe(np.zeros(SAMPLE_RATE * (asr.window_s - 2), np.float32))
-    assert calls == [SAMPLE_RATE * (asr.window_s - 2)]
+    asr.transcribe(np.zeros(SAMPLE_RATE * (max(asr.windows_s) - 2), np.float32))
+    asr.transcribe(np.zeros(SAMPLE_RATE * (max(asr.windows_s) - 4), np.float32))
+    assert calls == [SAMPLE_RATE * (max(asr.windows_s) - 2)]
 
 
 def test_silence_gives_no_words(asr):

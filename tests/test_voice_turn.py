@@ -129,6 +129,7 @@ def test_the_model_is_asked_ahead_and_a_complete_turn_ends_at_the_minimum_delay_
     ("My favorite color is green.", False), ("I tried to bake some bread.", False), ("Thank you, that was fun.", False),
     ("What is the capital of France?", False), ("If it is sunny tomorrow shall we go for a walk?", False),
     ("When I was young, I lived in Paris.", False), ("", False),
+    ("when you have a moment could you tell me a joke", False),
     ("When you have a moment.", True), ("If it is sunny tomorrow,", True), ("It was raining all day so,", True),
     ("I went to the market this morning and.", True), ("Can you tell me about the", True)])
 def test_words_that_cannot_end_a_turn(words, unfinished):

@@ -115,11 +115,10 @@ class WhisperASR:
     # alone 0.38 s either way; the second of two overlapping decodes 0.55 s, against
     # 1.0 s when it has to queue behind the first.
     workers: int = 2
-    # Whisper's encoder runs over this many seconds of features instead of its own 30, for a turn up to 3 s
-    # shorter: about half the work on a CPU (2 cores: 0.24 s against 0.49 s, median of 30 spoken questions),
-    # heard the same (the same words in 29 of 30; transcribe_full is the reference). Shorter windows made
-    # Whisper loop on repeated text, so the output length is capped too.
-    window_s: int = 15
+    # Whisper's encoder runs over the first of these windows (seconds of features, instead of its own 30) that
+    # holds the turn with 3 s to spare: less work on a CPU for the same words (docs/app.md, "Speech recognition";
+    # transcribe_full is the reference). An 8 s window made Whisper repeat itself, so the output length is capped.
+    windows_s: tuple[int, ...] = (10, 15)
 
     def __post_init__(self) -> None:
         asked = self.device
@@ -146,11 +145,12 @@ class WhisperASR:
         seconds = audio.size / SAMPLE_RATE
         if audio.size == 0:
             return ""
-        if self.window_s >= WHISPER_WINDOW_S or seconds > self.window_s - 3:
+        window_s = next((w for w in sorted(self.windows_s) if seconds <= w - 3 and w < WHISPER_WINDOW_S), None)
+        if window_s is None:
             return self.transcribe_full(audio)
         import ctranslate2
 
-        frames = self.window_s * SAMPLE_RATE // HOP
+        frames = window_s * SAMPLE_RATE // HOP
         features = self._whisper.feature_extractor(np.ascontiguousarray(audio, dtype=np.float32))
         features = np.pad(features, ((0, 0), (0, max(0, frames - features.shape[1]))))[:, :frames]
         result = self._whisper.model.generate(

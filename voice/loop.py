@@ -204,6 +204,7 @@ class _Turn:
     pause_at: int = -1  # where a silence began while the user was still in the turn
     judge_at: int = -1  # smart_turn: the next sample of silence at which the end-of-turn model is asked
     complete_at: int = -1  # smart_turn: judged complete; the turn ends once the silence reaches this sample
+    words_awaited: int = -1  # smart_turn: judged complete, the verdict waits for a decode of the words up to here
     last_voiced_t: float = 0.0
     ended: bool = False
     transcripts: list[tuple[int, str, float]] = field(default_factory=list)  # (covered up to sample, text, decode start)
@@ -358,7 +359,7 @@ class VoiceLoop:
                     turn.last_voiced_t = t
                     turn.voiced_end = self.vad.last_voiced
                     self._drop_attempt(turn)  # the user went on: a reply begun at their pause is stale
-                    turn.complete_at = -1  # and a verdict on that pause no longer holds
+                    turn.complete_at = turn.words_awaited = -1  # and a verdict on that pause no longer holds
                 silence = self.vad.silence_start
                 turn.pause_at = silence if silence else -1
                 if 0 <= turn.complete_at <= self._history.total:
@@ -484,7 +485,8 @@ class VoiceLoop:
 
     def _ask_judge(self, turn: _Turn) -> None:
         """smart_turn: wake the turn worker once the silence after the last voiced audio is long enough (lock held)."""
-        if self.turn_model is None or turn.pause_at < 0 or self._judging is not None or turn.complete_at >= 0:
+        if (self.turn_model is None or turn.pause_at < 0 or self._judging is not None or turn.complete_at >= 0
+                or turn.words_awaited >= 0):
             return
         first = self.config.min_endpointing_delay - self.config.turn_model_lead_s
         delay = first if turn.judge_at < turn.voiced_end else 0.0
@@ -523,16 +525,27 @@ class VoiceLoop:
                 judged = turn.trace.info.setdefault("turn_judgements", [])
                 judged.append({"silence_s": round((until - voiced_end) / SAMPLE_RATE, 3),
                                "probability": round(probability, 3), "model_s": round(now() - started, 3)})
-                words = turn.words[1]
-                if probability >= self.config.turn_threshold and self.config.check_words and unfinished_words(words):
-                    judged[-1]["unfinished_words"] = words  # "When you have a moment." waits for what comes next
+                if probability < self.config.turn_threshold:
                     turn.judge_at = until + int(self.config.turn_recheck_s * SAMPLE_RATE)
-                elif probability >= self.config.turn_threshold:
-                    turn.complete_at = voiced_end + int(self.config.min_endpointing_delay * SAMPLE_RATE)
-                    if self._history.total >= turn.complete_at:
-                        self._end_judged_turn(turn, now())
+                elif self.config.check_words and turn.words[0] < voiced_end and any(
+                        covered >= voiced_end for covered, _ in turn.inflight):
+                    turn.words_awaited = voiced_end  # the decode of all the words is under way: they decide
+                    judged[-1]["awaited_words"] = True
                 else:
-                    turn.judge_at = until + int(self.config.turn_recheck_s * SAMPLE_RATE)
+                    self._judge_words(turn, until)
+
+    def _judge_words(self, turn: _Turn, until: int) -> None:
+        """A turn the model found complete (lock held): it ends once the silence reaches min_endpointing_delay,
+        unless its newest words cannot end it ("When you have a moment."); then it is judged again later."""
+        words = turn.words[1]
+        if self.config.check_words and unfinished_words(words):
+            turn.trace.info["turn_judgements"][-1]["unfinished_words"] = words
+            turn.judge_at = until + int(self.config.turn_recheck_s * SAMPLE_RATE)
+            self._ask_judge(turn)
+            return
+        turn.complete_at = turn.voiced_end + int(self.config.min_endpointing_delay * SAMPLE_RATE)
+        if self._history.total >= turn.complete_at:
+            self._end_judged_turn(turn, now())
 
     def _end_judged_turn(self, turn: _Turn, t: float) -> None:
         """End a turn the model judged complete (lock held); its VAD segment closes at the next feed."""
@@ -643,6 +656,9 @@ class VoiceLoop:
                     turn.transcripts.append((until, text, started))
                 if until >= turn.words[0]:
                     turn.words = (until, text)
+                if 0 <= turn.words_awaited <= until and turn is self._turn and not turn.ended:
+                    turn.words_awaited = -1
+                    self._judge_words(turn, self._history.total)
                 turn.trace.info[f"asr_{kind}_decodes"] = turn.trace.info.get(f"asr_{kind}_decodes", 0) + 1
                 partial = not turn.ended
             if partial and text:

@@ -97,13 +97,14 @@ class SmartTurn:
 # Words after which no sentence ends, and openings that need a main clause after them.
 _CONTINUING = frozenset("""and but so or nor because the a an to of with for in on at from my your our their his her its
 that which who whose than if when then like as about into""".split())
+_OPENING_CLAUSE_WORDS = 7
 _OPENS_A_CONDITION = re.compile(r"^(if|when|whenever|although|though|unless|once|while|as soon as)\b", re.I)
 
 
 def unfinished_words(text: str) -> bool:
     """Whether the words heard so far cannot be a whole turn: they end on a comma or a word that no sentence
-    ends on ("and", "the", "to"), or are one clause opened by "if", "when", "unless"... with nothing after it
-    ("When you have a moment."). A question mark always ends a turn. Speech recognition adds a full stop to
+    ends on ("and", "the", "to"), or are one short clause opened by "if", "when", "unless"... with nothing
+    after it ("When you have a moment."). A question mark always ends a turn. Speech recognition adds a full stop to
     speech cut off mid-sentence, so the words, not the stop, decide; Smart Turn, which hears the voice fall
     at a comma as at a full stop, is held back by this check."""
     text = text.strip()
@@ -114,4 +115,6 @@ def unfinished_words(text: str) -> bool:
     words = re.findall(r"[a-z']+", text.lower())
     if words and words[-1] in _CONTINUING:
         return True
-    return bool(_OPENS_A_CONDITION.match(text)) and "," not in text.rstrip(",")
+    # an opening clause is short; a longer run of words without a comma has its main clause too (speech
+    # recognition does not always write the comma)
+    return bool(_OPENS_A_CONDITION.match(text)) and "," not in text and len(words) <= _OPENING_CLAUSE_WORDS
