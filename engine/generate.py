@@ -1,5 +1,6 @@
 """Offline generation: audio file in, talking-character MP4 out.
 
+    python -m engine.generate --spec demo --out clip.mp4                     # the shipped greeting (assets/hello.wav)
     python -m engine.generate --spec demo --audio speech.wav --out clip.mp4
 """
 
@@ -23,9 +24,10 @@ from engine.kernels import ATTENTION_KERNELS, apply_gemm_mode_
 from engine.media import Mp4Writer, read_audio
 from engine.realtime import RealtimeCharacter, RemoteSteps
 from engine.session import EngineSession
-from engine.weights import load_engine, pick_device
+from engine.weights import ASSETS, load_engine, pick_device, sha256_of
 
 
+GREETING = ASSETS / "hello.wav"  # said when no --audio is given; tools/eval_speech.py made it with the app's voice
 ATTENTION = ("auto", "triton", "sdpa", "reference")
 BACKENDS = {"auto": "auto", "triton": "triton", "sdpa": "torch", "reference": "torch"}  # --attention -> session backend
 
@@ -33,6 +35,17 @@ BACKENDS = {"auto": "auto", "triton": "triton", "sdpa": "torch", "reference": "t
 def gemm_mode(args) -> str:
     """--gemm as the engine names it (engine.kernels.GEMM_MODES)."""
     return "plain" if args.gemm == "bf16" else args.gemm
+
+
+def greeting() -> Path:
+    """The shipped greeting, checked against its sha256 like the weights beside it."""
+    sidecar = GREETING.with_name(GREETING.name + ".sha256")
+    if not GREETING.is_file() or not sidecar.is_file():
+        raise ValueError(f"the shipped greeting {GREETING} (or its .sha256) is missing: give --audio a speech file")
+    expected, actual = sidecar.read_text().split()[0], sha256_of(GREETING)
+    if actual != expected:
+        raise ValueError(f"{GREETING} fails its sha256 check: expected {expected}, got {actual}")
+    return GREETING
 
 
 def make_session(model, args) -> EngineSession:
@@ -107,7 +120,8 @@ def build_character(args, spec, device: torch.device):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.strip().splitlines()[0])
     p.add_argument("--spec", default="demo", choices=sorted(SPECS))
-    p.add_argument("--audio", required=True, help="any audio file FFmpeg reads")
+    p.add_argument("--audio", default=None, help="any audio file FFmpeg reads (default: the shipped greeting, "
+                                                   "assets/hello.wav, 4.8 s in the app's voice)")
     p.add_argument("--out", required=True, help="MP4 to write")
     p.add_argument("--weights", help="checkpoint (default: the one shipped for the spec)")
     p.add_argument("--preset", default="ada", choices=sorted(PRESETS), help="the character to animate")
@@ -141,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {args.out!r} is a folder: give the MP4 file to write, e.g. clip.mp4")
         if not Path(args.out).resolve().parent.is_dir():
             raise ValueError(f"--out {args.out}: folder {Path(args.out).resolve().parent} does not exist")
-        pcm = read_audio(args.audio, max_seconds=args.max_seconds)
+        audio = args.audio if args.audio is not None else greeting()
+        pcm = read_audio(audio, max_seconds=args.max_seconds)
         if pcm.size == 0:
-            raise ValueError(f"{args.audio} holds no audio samples")
+            raise ValueError(f"{audio} holds no audio samples")
         character, trained, close = build_character(args, spec, device)
         try:  # the engine (its processes, or the torchrun group) is closed whatever happens below
             character.push_audio(pcm, SAMPLE_RATE)
@@ -176,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if _rank() != 0:
         return 0
     print(json.dumps({
-        "out": args.out, "spec": spec.name, "trained_weights": trained, "device": str(device),
+        "out": args.out, "audio": str(audio), "spec": spec.name, "trained_weights": trained, "device": str(device),
         "frames": steps * spec.frames_per_latent, "steps": steps,
         "seconds_of_video": steps * spec.frames_per_latent / spec.fps,
         "steps_per_second": steps / elapsed, "wall_seconds": elapsed,

@@ -742,7 +742,7 @@ def test_the_page_builds_without_gradio_warnings(tmp_path):
 
 def test_the_browser_microphone_settings_reach_the_page():
     """The page asks for the microphone with the constraints the settings give: the browser's gain control off by
-    default (it cut first and last words), echo cancellation on; each a flag."""
+    default (it cut first and last words), echo cancellation on; each a flag. So does the page's own barge-in."""
     import types
 
     from fastapi.testclient import TestClient
@@ -755,9 +755,11 @@ def test_the_browser_microphone_settings_reach_the_page():
             return client.get("/talkloop/client-config").json()
 
     assert page_config(AppConfig()) == {"audio_input": "browser", "microphone": {
-        "echoCancellation": True, "autoGainControl": False, "noiseSuppression": False}}
-    flags = build_config(*parse_args(["--mic-auto-gain", "--mic-noise-suppression", "--no-mic-echo-cancellation"]))
+        "echoCancellation": True, "autoGainControl": False, "noiseSuppression": False}, "interruption_ms": 80}
+    flags = build_config(*parse_args(["--mic-auto-gain", "--mic-noise-suppression", "--no-mic-echo-cancellation",
+                                      "--client-interruption-ms", "0"]))
     assert page_config(flags)["microphone"] == {"echoCancellation": False, "autoGainControl": True, "noiseSuppression": True}
+    assert page_config(flags)["interruption_ms"] == 0
 
 
 def test_hls_microphone_chunks_become_mono_float():

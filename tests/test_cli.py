@@ -118,6 +118,28 @@ def test_generate_writes_a_playable_mp4_with_audio(tmp_path):
     assert abs(samples / SAMPLE_RATE - 1.0) < 0.15
 
 
+def test_generate_without_audio_says_the_shipped_greeting(tmp_path):
+    mp4 = tmp_path / "hello.mp4"
+    out = run("engine.generate", "--spec", "tiny", "--out", str(mp4), "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["audio"].endswith("hello.wav") and report["seconds_of_video"] >= 4.8
+    with av.open(str(mp4)) as c:
+        seconds = sum(f.samples for f in c.decode(audio=0)) / SAMPLE_RATE
+    assert 4.8 <= seconds <= report["seconds_of_video"] + 0.15  # the greeting, padded to whole steps
+
+
+def test_a_damaged_greeting_is_named(tmp_path, monkeypatch, capsys):
+    import engine.generate
+
+    damaged = tmp_path / "hello.wav"
+    damaged.write_bytes((ASSETS / "hello.wav").read_bytes()[:-100])
+    (tmp_path / "hello.wav.sha256").write_text((ASSETS / "hello.wav.sha256").read_text())
+    monkeypatch.setattr(engine.generate, "GREETING", damaged)
+    assert engine.generate.main(["--spec", "tiny", "--out", str(tmp_path / "o.mp4"), "--device", "cpu"]) == 2
+    assert "fails its sha256 check" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -1,14 +1,19 @@
-"""Write the held-out evaluation speech (piper's voice, not in the training corpus) as a 16 kHz WAV.
+"""Write speech in the app's own Piper voice as a 16 kHz WAV: the held-out evaluation speech (not in the training
+corpus), or the given lines.
 
     python tools/eval_speech.py data/eval.wav
+    python tools/eval_speech.py assets/hello.wav --text "Hello there! It's lovely to meet you." --text "What shall we talk about?"
 
-Deterministic (piper with its sampling noise off), so the lip-sync figures in docs/ can be rerun.
+Deterministic (piper with its sampling noise off), so the lip-sync figures in docs/ can be rerun and the
+shipped greeting (assets/hello.wav, what `python -m engine.generate` says when given no --audio) remade.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import wave
+from pathlib import Path
 
 import numpy as np
 
@@ -22,17 +27,38 @@ SENTENCES = [
 ]
 
 
-def main(out: str) -> None:
+def write_speech(out: Path, sentences: list[str]) -> float:
+    """The sentences, each followed by half a second of silence, as a 16-bit WAV; returns its seconds."""
     voice = PiperSource()
     pause = np.zeros(SAMPLE_RATE // 2, np.float32)
-    pcm = np.concatenate([part for s in SENTENCES for part in (voice.say(s, 1.0), pause)])
-    with wave.open(out, "wb") as w:
+    pcm = np.concatenate([part for s in sentences for part in (voice.say(s, 1.0), pause)])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(out), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(SAMPLE_RATE)
         w.writeframes((np.clip(pcm, -1, 1) * 32767).astype(np.int16).tobytes())
-    print(f"{out}: {pcm.size / SAMPLE_RATE:.2f} s")
+    return pcm.size / SAMPLE_RATE
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python tools/eval_speech.py", description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="data/eval.wav", help="the WAV to write (its folder is made)")
+    parser.add_argument("--text", action="append", help="a line to say instead of the evaluation speech (repeatable)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.is_dir():
+        parser.error(f"{out} is a folder: give the WAV file to write, e.g. {out / 'eval.wav'}")
+    if args.text is not None and not all(t.strip() for t in args.text):
+        parser.error("--text needs words to say")
+    try:
+        seconds = write_speech(out, args.text or SENTENCES)
+    except OSError as e:
+        print(f"error: writing {out}: {e}", file=sys.stderr)
+        return 1
+    print(f"{out}: {seconds:.2f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "data/eval.wav")
+    sys.exit(main())
