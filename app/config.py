@@ -45,7 +45,7 @@ class AppConfig:
     cuda_graph: bool = setting(True, "replay the engine's step as a CUDA graph on a GPU (one diffusion process; needs Triton)")
     prebuffer: int = setting(4, "playout buffer: frames waiting before playback (re)starts")
     preset: str = setting("ada", "character preset at start")
-    session_log: str | None = setting(None, "per-session fps log (default: engine.sessions.default_log())")
+    session_log: str | None = setting(None, "per-session fps log (default: engine.session_log.default_log())")
     transport: str = setting("webrtc", "video to the browser: webrtc, or hls (Gradio's streaming video; "
                                        "a fallback, seconds behind)")
     # Voice

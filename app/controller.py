@@ -15,7 +15,7 @@ from app.config import AppConfig
 from app.engine_host import EngineHost
 from app.live import LiveSession, VoiceModels
 from app.recorder import SessionRecorder
-from engine.sessions import default_log
+from engine.session_log import default_log
 
 log = logging.getLogger(__name__)
 

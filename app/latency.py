@@ -22,12 +22,20 @@ COLOURS = ("#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#a6d854", "#ffd92f")
 
 
 def turn_stages(record: dict[str, Any]) -> dict[str, float]:
-    """Seconds per stage (and total) for one turn record; stages whose stamps are missing are left out."""
+    """Seconds per stage (and total) for one turn record; stages whose stamps are missing are left out. A stage
+    done before the one ahead of it ended (a reply begun at the user's pause has its first text before the turn
+    ends) counts 0, and the next one starts where that one ended: the stages still add up to the total."""
     stamps = record.get("stamps", {})
     out = {}
-    for key, _, start, end in (*STAGES, TOTAL):
+    reached: float | None = None  # where the stages so far ended
+    for key, _, start, end in STAGES:
         if start in stamps and end in stamps:
-            out[key] = stamps[end] - stamps[start]
+            begin = stamps[start] if reached is None else max(stamps[start], reached)
+            reached = max(stamps[end], begin)
+            out[key] = reached - begin
+    key, _, start, end = TOTAL
+    if start in stamps and end in stamps:
+        out[key] = stamps[end] - stamps[start]
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.media import Mp4Writer
-from engine.sessions import append_line
+from engine.session_log import append_line
 
 log = logging.getLogger(__name__)
 

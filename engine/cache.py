@@ -184,7 +184,7 @@ class RingKVCache:
         rows = -(-s.frame_tokens // 16) * 16  # each layer's scales 64-byte aligned, as cuBLASLt wants them
         self.out8_rows_scale = o_scale.view(-1, 1, 1).expand(-1, rows, 1).contiguous()[:, : s.frame_tokens]  # (L, F, 1)
         self.v_scale_out8 = (self.v_scale / o_scale[:, None]).contiguous()  # (L, H)
-        self.e4m3_out = True  # answer attend(fp8_out=True) in e4m3 (`engine.bench step` turns it off to time bf16)
+        self.e4m3_out = True  # answer attend(fp8_out=True) in e4m3 (`lab.bench step` turns it off to time bf16)
         options = dict(attention_options)
         kernel = options.pop("kernel", "auto")
         if kernel == "auto" and options:  # tile options differ between the kernels

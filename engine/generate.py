@@ -27,7 +27,7 @@ from engine.session import EngineSession
 from engine.weights import ASSETS, load_engine, pick_device, sha256_of
 
 
-GREETING = ASSETS / "hello.wav"  # said when no --audio is given; tools/eval_speech.py made it with the app's voice
+GREETING = ASSETS / "hello.wav"  # said when no --audio is given; lab/eval_speech.py made it with the app's voice
 ATTENTION = ("auto", "triton", "sdpa", "reference")
 BACKENDS = {"auto": "auto", "triton": "triton", "sdpa": "torch", "reference": "torch"}  # --attention -> session backend
 

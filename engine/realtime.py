@@ -225,7 +225,7 @@ class RealtimeCharacter:
         p = self.playout.stats
         stats["seconds"] = (p.last_release - p.first_release) if p.first_release is not None else 0.0
         if session_log is not None:
-            from engine.sessions import record_session
+            from engine.session_log import record_session
 
             try:
                 record_session(stats, session_log)

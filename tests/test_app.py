@@ -171,6 +171,15 @@ def test_stages_add_up_and_summarise():
     assert '<td data-stage="asr">400</td>' in html
 
 
+def test_a_reply_begun_at_the_pause_counts_no_time_for_text_ready_before_the_turn_ended():
+    record = _record(1, 10.0, [0.3, 0.4, 0.01, 0.1, 0.2, 0.05])
+    record["stamps"]["reply_first_text"] = record["stamps"]["speech_end"] - 0.2  # made during the silence, held
+    stages = turn_stages(record)
+    assert stages["reply_text"] == 0.0 and stages["tts_audio"] == pytest.approx(0.01 + 0.1)  # from asr_done
+    assert all(v >= 0 for v in stages.values())
+    assert sum(stages[k] for k, *_ in STAGES) == pytest.approx(stages["total"])
+
+
 def test_a_turn_still_in_flight_shows_its_missing_stages_as_dashes():
     record = _record(1, 10.0, [0.3, 0.4, 0.01, 0.1])  # no frame released yet
     html = render_panel([record])
@@ -200,7 +209,7 @@ def test_the_engine_step_replays_as_a_cuda_graph_only_where_it_can(monkeypatch, 
 
 
 def test_the_bench_lists_the_turns_it_did_not_time_with_their_status():
-    from app.bench import undelivered_turns
+    from lab.app_bench import undelivered_turns
 
     records = [{"turn_id": 1, "user_text": "What is your name?", "status": "completed", "stamps": {"client_delivered": 1.0}},
                {"turn_id": 2, "user_text": "My favourite colour is green", "status": "interrupted", "stamps": {}},
@@ -213,7 +222,7 @@ def test_the_bench_lists_the_turns_it_did_not_time_with_their_status():
 
 
 def test_the_bench_scores_each_question_by_the_transcript_that_heard_most_of_it():
-    from app.bench import word_recall
+    from lab.app_bench import word_recall
 
     questions = ["What is your name?", "Do you like music?"]
     assert word_recall(questions, ["What is your name?", "", "do you like music"]) == 1.0
@@ -228,7 +237,7 @@ def test_the_bench_leaves_no_temporary_folder_behind(tmp_path, monkeypatch, caps
 
     import app.controller
     import voice.samples
-    from app.bench import main
+    from lab.app_bench import main
 
     class EngineThatFails:
         def __init__(self, config) -> None:
@@ -385,7 +394,7 @@ def test_microphone_audio_for_a_session_being_replaced_is_dropped_not_fatal():
     live.feed_mic(np.full(320, -0.5, np.float32), 16000)
     with pytest.raises(ValueError):  # while the session runs, the loop's refusals still reach the caller
         live.feed_mic(np.full(320, np.nan, np.float32), 16000)
-    assert live.mic_peak == 0.5  # the loudest sample the loop took (app.bench reports it); the refused chunk is not one
+    assert live.mic_peak == 0.5  # the loudest sample the loop took (lab.app_bench reports it); the refused chunk is not one
     live.stop(None)
     microphone = Microphone(frames=5)
     asyncio.run(asyncio.wait_for(Peer._read_mic(SimpleNamespace(live=live), microphone), 10))
@@ -842,7 +851,7 @@ def test_an_offer_aiortc_cannot_answer_gets_a_clear_400_and_no_peer_is_left(monk
 
 
 def test_a_chosen_chromium_is_used_or_named_when_it_is_not_there(tmp_path, monkeypatch):
-    from app.browser import CHROMIUM_ENV, chromium_path
+    from lab.browser import CHROMIUM_ENV, chromium_path
 
     monkeypatch.setenv(CHROMIUM_ENV, str(tmp_path / "missing"))
     with pytest.raises(RuntimeError, match=f"{CHROMIUM_ENV}=.*missing is not an executable file"):

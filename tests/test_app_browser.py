@@ -22,16 +22,16 @@ if shutil.which("chromium") is None:
 
 from playwright.sync_api import sync_playwright  # noqa: E402
 
-from app.bench import word_recall  # noqa: E402
-from app.browser import (SCRIPTED_MIC, ask_and_hear_the_reply, barge_in, conversation_wav, launch_chromium, say,  # noqa: E402
+from lab.app_bench import word_recall  # noqa: E402
+from lab.browser import (SCRIPTED_MIC, ask_and_hear_the_reply, barge_in, conversation_wav, launch_chromium, say,  # noqa: E402
                          start_in_browser, start_server, stop_server)
 from app.config import build_config  # noqa: E402
 from app.controller import RECENT_SYNC_REPORTS, Controller  # noqa: E402
 from app.latency import STAGES  # noqa: E402
-from app.probe import probe_streams  # noqa: E402
+from lab.probe import probe_streams  # noqa: E402
 from app.recorder import list_recordings  # noqa: E402
 from voice.samples import piper_speech, sample_speech  # noqa: E402
-from voice.turn_bench import paused_speech  # noqa: E402
+from lab.turn_bench import paused_speech  # noqa: E402
 
 
 def free_port() -> int:

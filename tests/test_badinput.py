@@ -43,7 +43,7 @@ def test_the_committed_corpus_is_what_the_script_makes(tmp_path):
     assert sum(p.stat().st_size for p in BAD.iterdir()) < 2_000_000
 
 
-# Audio files: engine.generate, engine.quality lipsync / drift, python -m voice --wav ----------------------------
+# Audio files: engine.generate, lab.quality lipsync / drift, python -m voice --wav ----------------------------
 AUDIO_ERRORS = {  # file -> what the message must name, for every engine entry point that reads audio
     "empty.wav": "cannot decode audio",
     "not_audio.wav": "cannot decode audio",
@@ -103,7 +103,7 @@ LIPSYNC_TOO_SHORT = ("header_only.wav", "truncated.wav", "too_short.wav")
 
 @pytest.mark.parametrize("name", sorted(AUDIO_ERRORS) + list(LIPSYNC_TOO_SHORT))
 def test_lipsync_refuses_broken_or_too_short_audio(name, capsys):
-    from engine.quality import main
+    from lab.quality import main
 
     code, _, err = call(main, ["lipsync", "--spec", "tiny", "--audio", str(BAD / name)], capsys)
     assert code == 2 and name in err
@@ -112,7 +112,7 @@ def test_lipsync_refuses_broken_or_too_short_audio(name, capsys):
 
 @pytest.mark.parametrize("name", ["rate_8k.wav", "stereo_44k.wav", "silence.wav"])
 def test_lipsync_scores_odd_audio_within_bounds(name, capsys):
-    from engine.quality import main
+    from lab.quality import main
 
     code, out, _ = call(main, ["lipsync", "--spec", "tiny", "--audio", str(BAD / name), "--max-offset", "8", "--json"], capsys)
     report = json.loads(out)
@@ -122,7 +122,7 @@ def test_lipsync_scores_odd_audio_within_bounds(name, capsys):
 
 
 def test_lipsync_and_drift_refuse_overlong_or_soundless_audio(long_wav, capsys):
-    from engine.quality import main
+    from lab.quality import main
 
     code, _, err = call(main, ["lipsync", "--spec", "tiny", "--audio", str(long_wav)], capsys)
     assert code == 2 and "longer than 120 s" in err
@@ -155,7 +155,7 @@ def test_voice_turn_refuses_very_long_speech(long_wav, capsys):
     assert code == 2 and "long; the limit is" in err
 
 
-# Configurations: engine.quality compare / drift, engine.soak ------------------------------------------------------
+# Configurations: lab.quality compare / drift, lab.soak ------------------------------------------------------
 CONFIG_ERRORS = {
     "config_broken.json": "is not valid JSON", "config_list.json": "must hold a JSON object",
     "config_unknown_key.json": "unknown config key 'turbo'", "config_wrong_type.json": "tp must be a whole number",
@@ -165,8 +165,8 @@ CONFIG_ERRORS = {
 
 @pytest.mark.parametrize("name", sorted(CONFIG_ERRORS))
 def test_broken_config_files_are_named_by_every_config_entry_point(name, capsys):
-    from engine.quality import main as quality
-    from engine.soak import main as soak
+    from lab.quality import main as quality
+    from lab.soak import main as soak
 
     path = str(BAD / name)
     for entry, argv in [(quality, ["compare", "--spec", "tiny", "--a", "reference", "--b", path, "--clips", "2"]),
@@ -178,8 +178,8 @@ def test_broken_config_files_are_named_by_every_config_entry_point(name, capsys)
 
 def test_unknown_presets_everywhere(capsys):
     from engine.generate import main as generate
-    from engine.quality import main as quality
-    from engine.soak import main as soak
+    from lab.quality import main as quality
+    from lab.soak import main as soak
 
     code, _, err = call(quality, ["compare", "--spec", "tiny", "--a", "fast", "--b", "reference"], capsys)
     assert code == 2 and "unknown config preset 'fast'" in err
@@ -191,10 +191,10 @@ def test_unknown_presets_everywhere(capsys):
     assert code == 2 and "invalid choice: 'warp'" in err
 
 
-# Checkpoints: weights loading, engine.generate --weights, engine.quality --weights ---------------------------------
+# Checkpoints: weights loading, engine.generate --weights, lab.quality --weights ---------------------------------
 def test_a_tampered_checkpoint_is_refused_by_its_sha256(checkpoints, capsys):
     from engine.generate import main as generate
-    from engine.quality import main as quality
+    from lab.quality import main as quality
     from engine.weights import load_engine
 
     good, tampered, wrong = checkpoints
@@ -227,7 +227,7 @@ def test_a_checkpoint_without_its_digest_is_still_checked_for_format(tmp_path, c
         load_engine(get_spec("tiny"), weights=bare)
 
 
-# engine.train corpus / codec arguments, engine.bench, engine.sessions -----------------------------------------------
+# training.train corpus / codec arguments, lab.bench, engine.session_log -----------------------------------------------
 @pytest.mark.parametrize("argv, message", [
     (["corpus", "--out", "{tmp}/c.npz", "--source", "tape"], "unknown corpus sources ['tape']"),
     (["corpus", "--out", "{tmp}/c.npz", "--minutes", "-1", "--source", "synth"], "corpus length must be positive"),
@@ -238,7 +238,7 @@ def test_a_checkpoint_without_its_digest_is_still_checked_for_format(tmp_path, c
     (["codec", "--spec", "huge"], "invalid choice: 'huge'"),
 ])
 def test_train_arguments_are_checked(argv, message, tmp_path, capsys):
-    from engine.train import main
+    from training.train import main
 
     if "cuda" in argv and torch.cuda.is_available():
         pytest.skip("checks the CPU-only error")
@@ -261,7 +261,7 @@ def test_train_arguments_are_checked(argv, message, tmp_path, capsys):
     (["teleport"], "invalid choice: 'teleport'"),
 ])
 def test_bench_arguments_are_checked(argv, message, capsys):
-    from engine.bench import main
+    from lab.bench import main
 
     if "cuda" in " ".join(argv) and torch.cuda.is_available():
         pytest.skip("checks the CPU-only error")
@@ -270,7 +270,7 @@ def test_bench_arguments_are_checked(argv, message, capsys):
 
 
 def test_bench_names_an_unknown_device(capsys):
-    from engine.bench import main
+    from lab.bench import main
 
     try:
         code, _, err = call(main, ["cache", "--device", "nonsense"], capsys)
@@ -280,7 +280,7 @@ def test_bench_names_an_unknown_device(capsys):
 
 
 def test_session_log_with_garbage_lines_gives_a_bounded_summary(tmp_path, capsys):
-    from engine.sessions import main
+    from lab.session_report import main
 
     code, out, _ = call(main, ["--log", str(BAD / "sessions_garbage.jsonl")], capsys)
     summary = json.loads(out)
@@ -292,7 +292,7 @@ def test_session_log_with_garbage_lines_gives_a_bounded_summary(tmp_path, capsys
 # At the command line: exit status and message, no traceback ---------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
     (["engine.generate", "--spec", "tiny", "--audio", str(BAD / "not_audio.wav"), "--out", "/tmp/o.mp4"], "cannot decode audio"),
-    (["engine.quality", "compare", "--a", str(BAD / "config_broken.json"), "--b", "reference"], "is not valid JSON"),
+    (["lab.quality", "compare", "--a", str(BAD / "config_broken.json"), "--b", "reference"], "is not valid JSON"),
     (["voice", "--wav", str(BAD / "nan.wav")], "NaN or infinite"),
 ])
 def test_command_lines_fail_with_a_message_and_no_traceback(argv, message):

@@ -1,14 +1,11 @@
-"""tools/bench_table.py's FlashAttention-3 paragraphs, from a result shaped as tools/fa3_attention_probe.py writes it,
-the step's energy by part, from a result shaped as `engine.bench step` writes it, and each block kernel's energy
-at the power limit, from a result shaped as tools/gemm_energy_probe.py writes it, and the target commands' repeats."""
+"""lab/bench_table.py's FlashAttention-3 paragraphs, from a result shaped as lab/probes/fa3_attention_probe.py writes it,
+the step's energy by part, from a result shaped as `lab.bench step` writes it, and each block kernel's energy
+at the power limit, from a result shaped as lab/probes/gemm_energy_probe.py writes it, and the target commands' repeats."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import bench_table  # noqa: E402
-from bench_table import against, fa3_attention, fast_path_targets, part_energy, repeat_runs  # noqa: E402
+from lab import bench_table
+from lab.bench_table import against, fa3_attention, fast_path_targets, part_energy, repeat_runs
 
 
 def probe_result(fa3_us: float) -> dict:
@@ -111,7 +108,7 @@ def test_a_flipped_setting_is_set_against_the_served_step_timed_in_turns_with_it
 
 
 def test_kernel_energy_lists_each_kernel_a_step_s_worth_and_the_padding_turns_only_where_run():
-    from bench_table import kernel_energy
+    from lab.bench_table import kernel_energy
 
     call = lambda mj, kernel="": {"us_clock_up": 60.0, "us_per_call": 80.0, "sm_clock_mhz": 1440, "mj_per_call": mj,
                                   "pj_per_flop": 0.616, "kernels": [kernel] if kernel else []}
@@ -132,13 +129,13 @@ def test_kernel_energy_lists_each_kernel_a_step_s_worth_and_the_padding_turns_on
 
 
 def test_cublaslt_configurations_list_the_heuristic_then_the_least_energy_and_the_step_turns_only_where_run():
-    from bench_table import cublaslt_configurations
+    from lab.bench_table import cublaslt_configurations
 
     call = lambda mj, kernel: {"us_per_call": 80.0, "sm_clock_mhz": 1500, "mj_per_call": mj, "pj_per_flop": mj / 90,
                                "kernels": [kernel]}
     row = {"scaled_mm": call(54.5, "nvjet_default"), "rank0": call(54.2, "nvjet_default"), "rank100": call(53.9, "nvjet_b"),
            "rank101": call(53.4, "nvjet_a"), "rank102": {"us_clock_up": 70.0}, "enumerated": 3}
-    probe = {"command": "python tools/cublaslt_algo_probe.py", "cublaslt": 130100, "qkv": row}
+    probe = {"command": "python -m lab.probes.cublaslt_algo_probe", "cublaslt": 130100, "qkv": row}
     lines = cublaslt_configurations(probe, None, best=2)
     text = "\n".join(lines)
     assert "cuBLASLt 13.1.0" in text and "| qkv | 3 others | `nvjet_default` torch._scaled_mm (the heuristic's) |" in text
@@ -175,7 +172,7 @@ def test_each_step_repeat_names_its_date_and_engine_code(tmp_path, monkeypatch):
 
 
 def test_the_run_before_the_out_projection_moved_to_triton_is_set_against_this_runs_flip(tmp_path, monkeypatch):
-    from bench_table import run_before_attn_out_triton
+    from lab.bench_table import run_before_attn_out_triton
 
     monkeypatch.setattr(bench_table, "RESULTS", tmp_path)
     step = {"serving": {"step_ms": 98.23, "step_ms_with_attn_out_gemm_cublas": 99.4, "step_ms_with_attn_out_gemm_cublas_serving": 98.01}}
@@ -196,7 +193,7 @@ def test_part_energy_says_when_the_parts_alone_exceed_the_step():
 
 
 def test_the_run_before_pdl_is_set_against_this_runs_step_without_pdl_timed_in_turns(tmp_path, monkeypatch):
-    from bench_table import run_before_pdl
+    from lab.bench_table import run_before_pdl
 
     monkeypatch.setattr(bench_table, "RESULTS", tmp_path)
     step = {"serving": {"step_ms": 96.43, "step_ms_without_pdl": 98.14, "step_ms_without_pdl_serving": 97.79}}

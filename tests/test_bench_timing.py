@@ -1,6 +1,6 @@
-"""engine.bench's timing of variants in turns (the clock drifts between timings)."""
+"""lab.bench's timing of variants in turns (the clock drifts between timings)."""
 
-from engine import bench
+from lab import bench
 
 
 def test_variants_are_timed_in_turns_so_a_drift_falls_on_each_alike():

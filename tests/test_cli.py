@@ -29,13 +29,13 @@ def write_wav(path, seconds: float, rate: int = SAMPLE_RATE, channels: int = 1) 
 
 
 def test_bench_cache_prints_one_json_object():
-    out = run("engine.bench", "cache", "--device", "cpu", "--json", "--repeats", "3")
+    out = run("lab.bench", "cache", "--device", "cpu", "--json", "--repeats", "3")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert {"naive_ms", "ring_ms", "speedup", "reset_ms", "shape"} <= result.keys()
     assert result["naive_ms"] > 0 and result["ring_ms"] > 0
     assert result["speedup"] == pytest.approx(result["naive_ms"] / result["ring_ms"])
-    out = run("engine.bench", "cache", "--device", "cpu", "--json", "--repeats", "0")
+    out = run("lab.bench", "cache", "--device", "cpu", "--json", "--repeats", "0")
     assert out.returncode == 2 and "argument --repeats: must be at least 1, got 0" in out.stderr
 
 
@@ -55,7 +55,7 @@ def test_bench_cache_prints_one_json_object():
 ])
 def test_bench_flags_are_checked_as_the_command_line_is_read(argv, message, capsys):
     """Values a benchmark cannot use, and flags a subcommand would ignore, are refused before any model is built."""
-    from engine.bench import main
+    from lab.bench import main
 
     with pytest.raises(SystemExit) as exit_:
         main([*argv, "--device", "cpu"])
@@ -63,7 +63,7 @@ def test_bench_flags_are_checked_as_the_command_line_is_read(argv, message, caps
 
 
 def test_gemm_kernel_flags_become_the_step_benchmark_s_kernel_choice():
-    from engine.bench import gemm_kernels_args
+    from lab.bench import gemm_kernels_args
 
     assert gemm_kernels_args("auto", "auto") is None  # the engine's defaults
     assert gemm_kernels_args("cublas", "auto") == {"mlp_in": "cublas"}
@@ -81,7 +81,7 @@ def test_the_triton_attention_launcher_refuses_tiles_it_cannot_run():
 
 
 def test_attention_bench_never_picks_a_fast_configuration_that_is_wrong():
-    from engine.bench import fastest_correct
+    from lab.bench import fastest_correct
 
     configs = [{"kernel": "ws", "us": 66.0, "rel_err": 1.07}, {"kernel": "ws", "us": 68.0, "rel_err": 0.025},
                {"kernel": "triton", "error": "OutOfResources"}, {"kernel": "triton", "us": 80.0, "rel_err": 0.02}]
@@ -187,12 +187,12 @@ def test_generate_across_processes(tmp_path, launcher):
 
 
 def test_the_paced_step_timing_starts_steps_one_real_time_period_apart(monkeypatch):
-    """engine.bench step's second figure: steps started at the cadence a real-time session keeps (a step's frames
+    """lab.bench step's second figure: steps started at the cadence a real-time session keeps (a step's frames
     at the video's frame rate), each timed alone, reset steps apart. On a virtual clock, so that a busy machine's
     late wake-ups cannot blur the schedule under test."""
     import torch
 
-    from engine import bench
+    from lab import bench
     from tests.helpers import started_tiny_session
 
     class VirtualTime:
@@ -251,11 +251,11 @@ def test_the_paced_step_timing_starts_steps_one_real_time_period_apart(monkeypat
 
 
 def test_step_timing_collects_each_steady_steps_graph_times(monkeypatch):
-    """engine.bench step reports the graph's own GPU time beside the wall time: each steady step's marks, reset
+    """lab.bench step reports the graph's own GPU time beside the wall time: each steady step's marks, reset
     steps apart, as medians; a session without a graph step reports none."""
     import torch
 
-    from engine import bench
+    from lab import bench
     from tests.helpers import started_tiny_session
 
     session, audio = started_tiny_session(reset_every=3)

@@ -9,7 +9,7 @@ from engine import character as ch
 from engine.codec import build_codec, codec_config, load_codec, save_codec
 from engine.config import get_spec
 from engine.model import build_model
-from engine.train import FrameSampler, Tracks, codec_psnr, train_codec
+from training.train import FrameSampler, Tracks, codec_psnr, train_codec
 from engine.weights import ASSETS, load_engine, save_checkpoint
 from tests.helpers import TINY
 

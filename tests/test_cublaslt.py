@@ -1,4 +1,4 @@
-"""cuBLASLt's FP8 product through ctypes (tools/cublaslt.py), the binding tools/cublaslt_algo_probe.py runs.
+"""cuBLASLt's FP8 product through ctypes (lab/probes/cublaslt.py), the binding lab/probes/cublaslt_algo_probe.py runs.
 
 Tolerances: on the heuristic's algorithm the product equals torch._scaled_mm's bit for bit (the same cuBLASLt
 kernel); on any other configuration cuBLASLt accepts (other tiles and clusters: the same sums in another
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_the_ctypes_product_is_torch_scaled_mm_on_every_configuration_cublaslt_accepts():
-    from tools import cublaslt
+    from lab.probes import cublaslt
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)

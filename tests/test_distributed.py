@@ -277,7 +277,7 @@ def test_two_gpus_give_the_frames_of_one():
 
 
 IPC_CLOSE_SCRIPT = """
-from engine.bench import bench_pipeline
+from lab.bench import bench_pipeline
 from engine.distributed import Placement
 
 if __name__ == "__main__":  # the demo character, its decoder in its own process, two steps in flight at close
@@ -288,7 +288,7 @@ if __name__ == "__main__":  # the demo character, its decoder in its own process
 
 @pytest.mark.gpu
 def test_closing_with_steps_in_flight_leaves_no_latent_mapped_past_its_owner(tmp_path):
-    """On a GPU the decoder process maps rank 0's latents through CUDA IPC. `engine.bench pipeline` closes its
+    """On a GPU the decoder process maps rank 0's latents through CUDA IPC. `lab.bench pipeline` closes its
     engine with two steps in flight; with the ranks stopped before the decoders had decoded them, PyTorch
     warned at rank 0's exit that tensors it shared were still held. The engine now lets the decoder finish
     with them first, and the warning must not appear."""

@@ -9,12 +9,12 @@ import pytest
 
 from engine.audio import SAMPLE_RATE
 from engine.decoder import StandInCodec
-from engine.faults import FAULT_KINDS, corrupt_audio, parse_fault
+from lab.faults import FAULT_KINDS, corrupt_audio, parse_fault
 from engine.model import build_model
-from engine.quality import parse_config
+from lab.quality import parse_config
 from engine.realtime import RealtimeCharacter
 from engine.session import EngineSession
-from engine.soak import main, soak
+from lab.soak import main, soak
 from tests.helpers import TINY, reference_latent
 
 
@@ -159,7 +159,7 @@ def test_a_slow_step_waits_for_a_timed_step_to_be_a_multiple_of():
     restart) it waits for one, instead of adding nothing and being reported as absorbed."""
     from collections import deque
 
-    from engine.faults import StepFaults
+    from lab.faults import StepFaults
 
     times: deque[float] = deque()
     faults = StepFaults(times)

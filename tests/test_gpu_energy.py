@@ -1,4 +1,4 @@
-"""The step benchmark's energy figures: NVML's counter read around the timed steps (engine/gpu_energy.py)."""
+"""The step benchmark's energy figures: NVML's counter read around the timed steps (lab/gpu_energy.py)."""
 
 import logging
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from engine import bench
-from engine.gpu_energy import EnergyMeter, EnergyWindow
+from lab import bench
+from lab.gpu_energy import EnergyMeter, EnergyWindow
 
 
 class _FakeMeter:
@@ -169,7 +169,7 @@ def fake_nvml(monkeypatch):
     """EnergyMeter.open on a fake CUDA device, with the fake NVML that `make(**codes)` returns loaded."""
     import types
 
-    from engine import gpu_energy
+    from lab import gpu_energy
 
     monkeypatch.setattr(gpu_energy.torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="0"))
 

@@ -1,11 +1,8 @@
-"""tools/ncu_sass_summary.py on a small Nsight Compute source-page export."""
+"""lab/probes/ncu_sass_summary.py on a small Nsight Compute source-page export."""
 
 import gzip
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from ncu_sass_summary import summary  # noqa: E402
+from lab.probes.ncu_sass_summary import summary
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_barrier","stall_wait",'
           '"stall_selected","stall_barrier (Not Issued)"')

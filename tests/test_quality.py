@@ -10,7 +10,7 @@ import torch
 
 from engine import character as ch
 from engine.audio import SAMPLE_RATE
-from engine.quality import (
+from lab.quality import (
     audio_envelope,
     main,
     mouth_opening,
@@ -19,7 +19,7 @@ from engine.quality import (
     shuffled_floor,
     sync_scores,
 )
-from engine.train import make_corpus
+from training.train import make_corpus
 
 SIZE = (96, 96)
 
@@ -115,7 +115,7 @@ def test_contact_sheet_png(tmp_path, speech, capsys):
 
 # Engine configurations and compare ----------------------------------------------------------
 from engine.config import get_spec  # noqa: E402
-from engine.quality import (  # noqa: E402
+from lab.quality import (  # noqa: E402
     CONFIG_PRESETS,
     compare,
     drift_verdict,
@@ -189,7 +189,7 @@ def test_attention_kernel_choices_are_checked():
         parse_config("fp8-attention,attention=triton,attention_p=log-linear")
     with pytest.raises(ValueError, match="attention_p=nearest is an option of the ws kernel: add attention=ws"):
         parse_config("fp8-attention,attention_p=nearest")
-    from engine.quality import attention_p_options
+    from lab.quality import attention_p_options
 
     assert attention_p_options("auto") == {}  # the ring's served options
     assert attention_p_options("nearest") == {"exp2": "mufu", "row_sum": "fma"}
@@ -312,7 +312,7 @@ def test_frames_push_audio_in_chunks_yet_match_one_push(monkeypatch):
     """engine_frames (lipsync, its --minutes, sheet) and config_frames (compare, drift) push the audio a
     chunk at a time, so a step's features never scan a long session's whole timeline; the frames are
     those of one push."""
-    from engine.quality import config_frames, engine_frames, speech_clip
+    from lab.quality import config_frames, engine_frames, speech_clip
     from engine.realtime import RealtimeCharacter
 
     spec = get_spec("tiny")
@@ -338,7 +338,7 @@ def test_frames_push_audio_in_chunks_yet_match_one_push(monkeypatch):
 def test_lipsync_steps_per_second_counts_stepping_only(speech, monkeypatch):
     """Loading the engine is not stepping: a load that takes 1000 s leaves the rate unchanged."""
     import engine.weights
-    from engine import quality
+    from lab import quality
 
     offset = [0.0]
     real_clock, real_load = quality.time.perf_counter, engine.weights.load_engine
@@ -385,7 +385,7 @@ def test_bad_devices_are_named(tmp_path, speech, capsys, command, device, messag
 @pytest.mark.parametrize("command", ["lipsync", "sheet"])
 def test_the_device_is_a_gpu_when_one_is_visible_unless_told(tmp_path, speech, monkeypatch, capsys, command):
     """Like generate, train and the app: without --device, `auto` (a GPU when one is visible)."""
-    import engine.quality
+    import lab.quality
 
     asked = []
 
@@ -393,7 +393,7 @@ def test_the_device_is_a_gpu_when_one_is_visible_unless_told(tmp_path, speech, m
         asked.append(name)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(engine.quality, "pick_device", record)
+    monkeypatch.setattr(lab.quality, "pick_device", record)
     wav = tmp_path / "x.wav"
     _write_wav(wav, speech[: 3 * SAMPLE_RATE])
     argv = ["--spec", "tiny", "--audio", str(wav)] + (["--out", str(tmp_path / "sheet.png")] if command == "sheet" else [])

@@ -184,7 +184,8 @@ def test_character_needs_a_started_session(model):
 
 
 def test_session_log_reports_the_share_of_slow_sessions(tmp_path, model):
-    from engine.sessions import record_session, summarize
+    from engine.session_log import record_session
+    from lab.session_report import summarize
 
     log = tmp_path / "sessions.jsonl"
     character = make_character(model)

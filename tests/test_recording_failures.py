@@ -126,7 +126,7 @@ def test_a_transcript_line_cut_short_loses_only_itself(tmp_path):
 
 # 4. A transcript that cannot be written is shown -----------------------------------------------------
 def test_a_transcript_write_on_a_full_disk_is_kept_among_the_failures_and_the_session_goes_on(tmp_path, monkeypatch):
-    import engine.sessions
+    import engine.session_log
 
     live = _recorded_session(tmp_path)
     space = {"left": False}
@@ -150,7 +150,7 @@ def test_a_transcript_write_on_a_full_disk_is_kept_among_the_failures_and_the_se
         with open(*args, **kwargs) as f:
             yield FullDisk(f)
 
-    monkeypatch.setattr(engine.sessions, "open", open_on_a_full_disk, raising=False)  # where the recorder appends
+    monkeypatch.setattr(engine.session_log, "open", open_on_a_full_disk, raising=False)  # where the recorder appends
     live._on_voice_event(LoopEvent("user_final", 1, "what is your name?"))
     assert [(line.role, line.text) for line in live.transcript] == [("user", "what is your name?")]  # shown all the same
     path = live.recorder.folder / TRANSCRIPT

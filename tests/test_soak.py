@@ -11,8 +11,8 @@ import av
 import pytest
 
 from engine.config import get_spec
-from engine.quality import parse_config
-from engine.soak import growth_verdict, main, slope_per_minute, soak
+from lab.quality import parse_config
+from lab.soak import growth_verdict, main, slope_per_minute, soak
 
 TINY = get_spec("tiny")
 
@@ -89,7 +89,7 @@ def test_ctrl_c_ends_the_soak_with_its_report_and_the_traces_end(tmp_path):
     import sys
 
     mp4, trace = tmp_path / "soak.mp4", tmp_path / "soak.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "engine.soak", "--spec", "tiny", "--seconds", "60", "--audio-source", "synth",
+    proc = subprocess.Popen([sys.executable, "-m", "lab.soak", "--spec", "tiny", "--seconds", "60", "--audio-source", "synth",
                              "--record", str(mp4), "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (trace.exists() and '"second"' in trace.read_text()):
@@ -106,7 +106,7 @@ def test_recording_and_trace_survive_a_killed_process(tmp_path):
     """SIGKILL the soak itself: the fragmented MP4 plays up to its last fragment, every trace line is whole."""
     mp4, trace = tmp_path / "crash.mp4", tmp_path / "crash.jsonl"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.soak", "--spec", "tiny", "--seconds", "60", "--audio-source",
+    proc = subprocess.Popen([sys.executable, "-m", "lab.soak", "--spec", "tiny", "--seconds", "60", "--audio-source",
                              "synth", "--record", str(mp4), "--trace", str(trace)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -129,7 +129,7 @@ def test_recording_and_trace_survive_a_killed_process(tmp_path):
 def test_a_stall_that_lasts_to_the_end_counts_in_the_seconds_below_24_fps(tmp_path):
     """The engine stalls from 2 s to past the end: those seconds had no frames and count, at 0 (they used to stop
     at the last frame played, so the run read as all on time)."""
-    from engine.faults import parse_fault
+    from lab.faults import parse_fault
 
     r = soak(TINY, parse_config("fp8-cache"), seconds=6.0, speech_s=2.0, silence_s=1.0, source="synth",
              faults=[parse_fault("exhaust-buffer@2:6")])
@@ -167,19 +167,19 @@ def test_a_recording_that_fails_ends_the_session_with_its_report_and_trace(tmp_p
 
 
 def test_an_engine_that_cannot_start_exits_1_not_as_bad_arguments(monkeypatch, capsys):
-    import engine.soak
+    import lab.soak
 
     def fail(*args, **kwargs):
         raise RuntimeError("diffusion rank 0 failed: CUDA out of memory")
 
-    monkeypatch.setattr(engine.soak, "soak", fail)
+    monkeypatch.setattr(lab.soak, "soak", fail)
     assert main(["--spec", "tiny", "--seconds", "1"]) == 1
     assert "CUDA out of memory" in capsys.readouterr().err
 
 
 def test_fault_outcomes_say_what_happened():
-    from engine.faults import parse_fault
-    from engine.soak import _outcome
+    from lab.faults import parse_fault
+    from lab.soak import _outcome
 
     samples = [{"t": float(t), "underruns": 0, "released": 24 * t} for t in range(12)]
     corrupt = parse_fault("corrupt-audio@5")

@@ -1,10 +1,7 @@
-"""tools/step_profile.py's timeline of one step's kernels (the --graph mode's arithmetic)."""
+"""lab/probes/step_profile.py's timeline of one step's kernels (the --graph mode's arithmetic)."""
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from step_profile import timeline  # noqa: E402
+from lab.probes.step_profile import timeline
 
 
 def test_busy_time_counts_overlapping_kernels_once_and_gaps_are_the_idle_between():

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine import train
+from training import train
 from engine.cache import ReferenceKVCache, RingKVCache
 from engine.codec import build_codec, load_codec, save_codec
 from engine.model import build_model
 from engine.session import EngineSession
-from engine.train import (
+from training.train import (
     Paused,
     TeacherForcingAttention,
     dit_loss,

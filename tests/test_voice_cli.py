@@ -108,7 +108,7 @@ def test_bad_wavs_get_a_clear_error(tmp_path, make, message):
 
 
 def test_bench_reports_stage_latencies(tmp_path):
-    done = run_offline(tmp_path, "voice.bench", "--json", "--utterances", "1", timeout=120)
+    done = run_offline(tmp_path, "lab.voice_bench", "--json", "--utterances", "1", timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["feed"].startswith("real time")
@@ -162,7 +162,7 @@ class ScriptedTurn:
 
 
 class ScriptedLoop:
-    """Stands in for the VoiceLoop in voice.bench: each question fed is heard as the next scripted turn (None: not
+    """Stands in for the VoiceLoop in lab.voice_bench: each question fed is heard as the next scripted turn (None: not
     heard at all)."""
 
     def __init__(self, turns: list[ScriptedTurn | None]) -> None:
@@ -186,12 +186,12 @@ class ScriptedLoop:
 
 
 def run_bench_main(monkeypatch, capsys, loop: ScriptedLoop, *flags: str) -> tuple[int, dict]:
-    import voice.bench
+    import lab.voice_bench
 
-    monkeypatch.setattr(voice.bench, "piper_speech", lambda text: np.full(1600, 0.1, np.float32))
-    monkeypatch.setattr(voice.bench, "build_loop", lambda args, sink: loop)
-    monkeypatch.setattr(voice.bench, "feed_audio", lambda loop, audio, real_time, clock=None: loop.feed(audio, clock))
-    code = voice.bench.main(["--json", "--turn-timeout", "1", *flags])
+    monkeypatch.setattr(lab.voice_bench, "piper_speech", lambda text: np.full(1600, 0.1, np.float32))
+    monkeypatch.setattr(lab.voice_bench, "build_loop", lambda args, sink: loop)
+    monkeypatch.setattr(lab.voice_bench, "feed_audio", lambda loop, audio, real_time, clock=None: loop.feed(audio, clock))
+    code = lab.voice_bench.main(["--json", "--turn-timeout", "1", *flags])
 
     def no_nan(name: str):
         raise AssertionError(f"{name} is not JSON")
@@ -217,27 +217,27 @@ def test_bench_with_nothing_heard_still_writes_valid_json(monkeypatch, capsys):
 
 
 def test_bench_failures_exit_2_with_the_message_and_ctrl_c_exits_130(monkeypatch, capsys, tmp_path):
-    import voice.bench
+    import lab.voice_bench
     import voice.samples
 
     missing = tmp_path / "missing.onnx"
-    assert voice.bench.main(["--utterances", "1", "--voice", str(missing)]) == 2
+    assert lab.voice_bench.main(["--utterances", "1", "--voice", str(missing)]) == 2
     assert f"error: ValueError: piper voice not found: {missing}" in capsys.readouterr().err
     monkeypatch.setattr(voice.samples, "espeak_available", lambda: False)
-    assert voice.bench.main(["--utterances", "1", "--speech", "espeak", "--json"]) == 2
+    assert lab.voice_bench.main(["--utterances", "1", "--speech", "espeak", "--json"]) == 2
     assert "espeak-ng is not installed" in json.loads(capsys.readouterr().out)["error"]
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     loop = ScriptedLoop([None])
-    monkeypatch.setattr(voice.bench, "piper_speech", lambda text: np.full(1600, 0.1, np.float32))
-    monkeypatch.setattr(voice.bench, "build_loop", lambda args, sink: loop)
-    monkeypatch.setattr(voice.bench, "feed_audio", interrupted)
+    monkeypatch.setattr(lab.voice_bench, "piper_speech", lambda text: np.full(1600, 0.1, np.float32))
+    monkeypatch.setattr(lab.voice_bench, "build_loop", lambda args, sink: loop)
+    monkeypatch.setattr(lab.voice_bench, "feed_audio", interrupted)
     try:
-        assert voice.bench.main(["--utterances", "1"]) == 130
+        assert lab.voice_bench.main(["--utterances", "1"]) == 130
     except KeyboardInterrupt:
-        pytest.fail("Ctrl-C escaped voice.bench.main")
+        pytest.fail("Ctrl-C escaped lab.voice_bench.main")
     assert loop.closed and "error: interrupted" in capsys.readouterr().err
 
 

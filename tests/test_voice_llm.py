@@ -8,7 +8,7 @@ import pytest
 
 import voice.llm as llm_module
 from voice.agent import ReplyAgent
-from voice.agent_bench import CONVERSATIONS, T, run_conversations, score
+from lab.agent_bench import CONVERSATIONS, T, run_conversations, score
 from voice.llm import MODELS, LocalLLM, LocalLLMAgent, ModelPackage, model_file
 from voice.personas import EXAMPLE_EXCHANGE, PERSONAS
 

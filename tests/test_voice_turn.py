@@ -8,7 +8,7 @@ from voice import turn as turn_module
 from voice.loop import LoopEvent, RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
 from voice.samples import piper_speech, speech_bounds, with_silence
 from voice.turn import SmartTurn, log_mel_features, model_path, unfinished_words
-from voice.turn_bench import paused_speech
+from lab.turn_bench import paused_speech
 
 
 def _pipecat_features():

@@ -16,7 +16,8 @@ from engine.decoder import StandInCodec
 from engine.media import Mp4Writer
 from engine.realtime import RealtimeCharacter
 from engine.session import EngineSession
-from engine.sessions import record_session, summarize
+from engine.session_log import record_session
+from lab.session_report import summarize
 from tests.helpers import TINY, reference_latent, tiny_model
 from voice.trace import SessionTrace, read_jsonl
 
@@ -102,12 +103,12 @@ def test_a_session_log_that_cannot_be_written_keeps_the_sessions_figures(tmp_pat
     if failure == "log path is a folder":
         log.mkdir()
     else:
-        import engine.sessions
+        import engine.session_log
 
         def disk_full(stats: dict, path=None):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-        monkeypatch.setattr(engine.sessions, "record_session", disk_full)
+        monkeypatch.setattr(engine.session_log, "record_session", disk_full)
     session = EngineSession(tiny_model(), seed=2)
     session.start(reference_latent())
     character = RealtimeCharacter(session, StandInCodec(TINY))

@@ -5,7 +5,7 @@
 #   bash tools/app_carry.sh            # -> .carry/app/p01 ... (prints the part names)
 # Then one device call per part, back to back while the machine stays warm:
 #   run(carry=[".carry/app/pNN"], command="python3 tools/carry_parts.py receive .carry/app/pNN --store /tmp/parts")
-# and last, on the same machine: bash tools/gpu_suite.sh app   (assembles, unpacks, runs app.bench)
+# and last, on the same machine: bash tools/gpu_suite.sh app   (assembles, unpacks, runs lab.app_bench)
 # PY=3.11 SKIP_IMAGE=0 makes the same set for a clean local venv (a dry run of the recipe on this machine).
 # The character's language model travels too: llama-cpp-python's source (built there; no Linux wheel on PyPI),
 # trimmed of what the build never reads, and the joined GGUF from this machine's cache (LLM=qwen2.5-0.5b for the

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Build FlashAttention-3's forward pass for head size 128 in FP8 and bf16 (what tools/fa3_attention_probe.py
+# Build FlashAttention-3's forward pass for head size 128 in FP8 and bf16 (what lab/probes/fa3_attention_probe.py
 # calls), in place in a flash-attention checkout, on a machine with nvcc (CUDA >= 12.3) and a CUDA build of
 # PyTorch. FA3 has no wheel on PyPI; the engine does not use it, the probe compares it with the engine's kernel.
 #   git clone --recursive https://github.com/Dao-AILab/flash-attention
 #   bash tools/build_fa3.sh flash-attention            # about 2 minutes on 16 cores
-#   PYTHONPATH=flash-attention/hopper python tools/fa3_attention_probe.py
+#   PYTHONPATH=flash-attention/hopper python -m lab.probes.fa3_attention_probe
 # Left out: the other head sizes, fp16, the backward pass, paged and appended KV, local and soft-capped attention,
 # Ampere. Kept: variable lengths (`cache_seqlens`, the probe's last run), KV splits, clusters, packed GQA.
 set -euo pipefail

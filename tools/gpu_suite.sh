@@ -26,17 +26,17 @@ for part in $parts; do
     run python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_gemm.py tests/test_cublaslt.py tests/test_attention_ws.py tests/test_cache.py tests/test_session.py tests/test_parallel.py tests/test_gemm_allreduce.py tests/test_gpu_energy.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5
   fi
   if [[ $part == attention || $part == all ]]; then
-    run python3 -m engine.bench attention --tp-shard 3 --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
+    run python3 -m lab.bench attention --tp-shard 3 --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
   fi
   if [[ $part == attention-cudnn ]]; then  # cuDNN's FP8 SDPA beside ours; needs `pip install nvidia-cudnn-frontend`
-    run python3 tools/cudnn_attention_probe.py > "$OUT/cudnn_fp8_attention.json" && head -c 600 "$OUT/cudnn_fp8_attention.json"
+    run python -m lab.probes.cudnn_attention_probe > "$OUT/cudnn_fp8_attention.json" && head -c 600 "$OUT/cudnn_fp8_attention.json"
   fi
   if [[ $part == attention-fa3 ]]; then  # FlashAttention-3's FP8 path beside ours; FA3_SRC: a flash-attention checkout
     # (with csrc/cutlass) or a .tar.xz of one, built here by tools/build_fa3.sh (FA3 has no wheel on PyPI)
     src=${FA3_SRC:?attention-fa3 needs FA3_SRC}
     if [[ -f $src ]]; then rm -rf /tmp/fa3_src && mkdir -p /tmp/fa3_src && tar -xJf "$src" -C /tmp/fa3_src && src=/tmp/fa3_src; fi
     if run bash tools/build_fa3.sh "$src" > "$OUT/fa3_build.log" 2>&1; then
-      PYTHONPATH="$src/hopper:$PYTHONPATH" run python3 tools/fa3_attention_probe.py > "$OUT/fa3_fp8_attention.json" \
+      PYTHONPATH="$src/hopper:$PYTHONPATH" run python -m lab.probes.fa3_attention_probe > "$OUT/fa3_fp8_attention.json" \
         && head -c 600 "$OUT/fa3_fp8_attention.json"
     else
       tail -20 "$OUT/fa3_build.log"
@@ -45,49 +45,49 @@ for part in $parts; do
   if [[ $part == step || $part == all ]]; then  # with the GPU's clock and power sampled throughout, and a per-kernel profile
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
       --format=csv -lms 250 > "$OUT/step_smi.csv" & smi=$!
-    run python3 tools/step_profile.py > "$OUT/step_profile_tp3.json" && head -c 400 "$OUT/step_profile_tp3.json"
-    run python3 tools/step_profile.py --graph > "$OUT/step_timeline_tp3.json" && head -c 400 "$OUT/step_timeline_tp3.json"
-    run python3 -m engine.bench step --spec characters-57b --tp-shard 3 --json ${STEP_ARGS:-} > "$OUT/step_tp3.json" && cat "$OUT/step_tp3.json"
+    run python -m lab.probes.step_profile > "$OUT/step_profile_tp3.json" && head -c 400 "$OUT/step_profile_tp3.json"
+    run python -m lab.probes.step_profile --graph > "$OUT/step_timeline_tp3.json" && head -c 400 "$OUT/step_timeline_tp3.json"
+    run python3 -m lab.bench step --spec characters-57b --tp-shard 3 --json ${STEP_ARGS:-} > "$OUT/step_tp3.json" && cat "$OUT/step_tp3.json"
     kill $smi
   fi
   if [[ $part == cache || $part == all ]]; then
-    run python3 -m engine.bench cache --device cuda --spec characters-57b --tp-shard 3 --json > "$OUT/cache_tp3.json" && cat "$OUT/cache_tp3.json"
+    run python3 -m lab.bench cache --device cuda --spec characters-57b --tp-shard 3 --json > "$OUT/cache_tp3.json" && cat "$OUT/cache_tp3.json"
   fi
   if [[ $part == pipeline || $part == all ]]; then
-    run python3 -m engine.bench pipeline --spec demo --json > "$OUT/pipeline_demo.json" && cat "$OUT/pipeline_demo.json"
+    run python3 -m lab.bench pipeline --spec demo --json > "$OUT/pipeline_demo.json" && cat "$OUT/pipeline_demo.json"
   fi
   if [[ $part == allreduce ]]; then  # needs 2+ GPUs
-    run python3 -m engine.bench allreduce --json > "$OUT/allreduce_57b.json" && cat "$OUT/allreduce_57b.json"
+    run python3 -m lab.bench allreduce --json > "$OUT/allreduce_57b.json" && cat "$OUT/allreduce_57b.json"
   fi
   if [[ $part == soak ]]; then  # the serving path in real time, scripted turns; SOAK_SECONDS (default 600)
-    run python3 -m engine.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-600}" --trace "$OUT/soak_trace.jsonl" --json \
+    run python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-600}" --trace "$OUT/soak_trace.jsonl" --json \
       > "$OUT/soak_demo.json" && python3 -c "import json;r=json.load(open('$OUT/soak_demo.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
   fi
   if [[ $part == x2 ]]; then  # two GPUs: correctness, the step with communication, the fused all-reduce, the decoder's own GPU
     run python3 -m pytest -q -p no:cacheprovider tests/test_gemm_allreduce.py tests/test_distributed.py -k "two_gpus or one_rank" \
       2>&1 | tee "$OUT/pytest_gpu_x2.txt" | tail -3
-    run python3 -m engine.bench step --spec characters-57b --world 2 --json > "$OUT/step_57b_x2.json" && cat "$OUT/step_57b_x2.json"
-    run python3 -m engine.bench allreduce --json > "$OUT/allreduce_57b_x2.json" && tail -c 600 "$OUT/allreduce_57b_x2.json"
-    run python3 -m engine.bench pipeline --spec demo --gpus 0,1 --decoder-gpu 1 --json > "$OUT/pipeline_demo_x2.json" && cat "$OUT/pipeline_demo_x2.json"
+    run python3 -m lab.bench step --spec characters-57b --world 2 --json > "$OUT/step_57b_x2.json" && cat "$OUT/step_57b_x2.json"
+    run python3 -m lab.bench allreduce --json > "$OUT/allreduce_57b_x2.json" && tail -c 600 "$OUT/allreduce_57b_x2.json"
+    run python3 -m lab.bench pipeline --spec demo --gpus 0,1 --decoder-gpu 1 --json > "$OUT/pipeline_demo_x2.json" && cat "$OUT/pipeline_demo_x2.json"
   fi
   if [[ $part == session2 ]]; then  # the trained demo character, diffusion on GPU 0, decoder on GPU 1; SESSION_SECONDS (default 300)
-    run python3 -m engine.soak --spec demo --config cuda-graph,processes=true,decoder_gpu=1 --seconds "${SESSION_SECONDS:-300}" \
+    run python3 -m lab.soak --spec demo --config cuda-graph,processes=true,decoder_gpu=1 --seconds "${SESSION_SECONDS:-300}" \
       --trace "$OUT/session_x2_trace.jsonl" --json > "$OUT/session_demo_x2.json" \
       && python3 -c "import json;r=json.load(open('$OUT/session_demo_x2.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
   fi
   if [[ $part == soak-start ]]; then
     mkdir -p /tmp/talkloop_soak && rm -f /tmp/talkloop_soak/*
-    setsid nohup python3 -m engine.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-600}" \
+    setsid nohup python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-600}" \
       --trace /tmp/talkloop_soak/soak_trace.jsonl --json > /tmp/talkloop_soak/soak_demo.json 2> /tmp/talkloop_soak/soak.err < /dev/null &
     sleep 20; tail -3 /tmp/talkloop_soak/soak.err; head -3 /tmp/talkloop_soak/soak_trace.jsonl  # started, or why not
   fi
   if [[ $part == soak-collect ]]; then
-    while pgrep -f "engine.soak --spec demo --config cuda-graph --seconds" > /dev/null; do sleep 5; done
+    while pgrep -f "lab.soak --spec demo --config cuda-graph --seconds" > /dev/null; do sleep 5; done
     cp /tmp/talkloop_soak/* "$OUT/" && tail -3 "$OUT/soak.err"
     python3 -c "import json;r=json.load(open('$OUT/soak_demo.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
   fi
   if [[ $part == compare ]]; then  # every GPU fast path against the rerun band; COMPARE_CLIPS (default 24)
-    run python3 -m engine.quality compare --spec demo --a reference --b fp8-cache --b fp8-attention --b cuda-graph --b fp8-gemm --b fp8-gemm-fast \
+    run python3 -m lab.quality compare --spec demo --a reference --b fp8-cache --b fp8-attention --b cuda-graph --b fp8-gemm --b fp8-gemm-fast \
       --clips "${COMPARE_CLIPS:-24}" --clip-seconds 4 --json > "$OUT/compare_demo.json" \
       && python3 -c "import json;r=json.load(open('$OUT/compare_demo.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
   fi
@@ -109,23 +109,23 @@ for part in $parts; do
       mkdir -p /tmp/talkloop-cache && mv /tmp/app-files/*.gguf /tmp/talkloop-cache/ 2>/dev/null
     fi
     export TALKLOOP_CACHE=/tmp/talkloop-cache
-    TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py --first /tmp/site app.bench ${APP_ARGS:---device cuda} \
+    TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py --first /tmp/site lab.app_bench ${APP_ARGS:---device cuda} \
       --utterances "${APP_UTTERANCES:-5}" --json > "$OUT/app_bench_demo_h200.json" && cat "$OUT/app_bench_demo_h200.json"
   fi
   # Nsight Compute on one call of the warp-specialised attention kernel (these parts run only when named)
   ncu_call=(-k regex:_attn_ws_kernel --launch-skip 2 --launch-count 1)
-  probe=(env PYTHONPATH=. python3 tools/attn_probe.py '[{"kernel":"ws","block_m":64,"block_n":128,"stages":3}]')
+  probe=(env PYTHONPATH=. python -m lab.probes.attn_probe '[{"kernel":"ws","block_m":64,"block_n":128,"stages":3}]')
   if [[ $part == attention-ncu ]]; then
     run ncu "${ncu_call[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
       --section SchedulerStats --section Occupancy --section LaunchStats "${probe[@]}" > "$OUT/ncu_attention_ws.txt" 2>&1
   fi
-  if [[ $part == attention-ncu-source ]]; then  # per-instruction stall samples, as CSV (tools/ncu_sass_summary.py)
+  if [[ $part == attention-ncu-source ]]; then  # per-instruction stall samples, as CSV (lab/probes/ncu_sass_summary.py)
     run ncu "${ncu_call[@]}" --section SourceCounters --section WarpStateStats --section SpeedOfLight \
       --section ComputeWorkloadAnalysis -o /tmp/attn_src -f "${probe[@]}" > /dev/null \
       && ncu -i /tmp/attn_src.ncu-rep --page source --csv --print-source sass | gzip -9 > "$OUT/ncu_attention_ws_sass.csv.gz"
   fi
   if [[ $part == compare-x2 ]]; then  # two GPUs: tensor parallel, fused GEMM + all-reduce; COMPARE_CLIPS (default 12: an engine start per clip)
-    run python3 -m engine.quality compare --spec demo --a fp8-attention --b fp8-attention,tp=2 \
+    run python3 -m lab.quality compare --spec demo --a fp8-attention --b fp8-attention,tp=2 \
       --b fp8-attention,tp=2,fused_allreduce=true --clips "${COMPARE_CLIPS:-12}" --clip-seconds 4 --json > "$OUT/compare_demo_x2.json" \
       && python3 -c "import json;r=json.load(open('$OUT/compare_demo_x2.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
   fi

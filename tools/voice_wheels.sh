@@ -7,7 +7,7 @@
 # and last, on the same machine:
 #   python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels \
 #     && python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/wheels/*.whl \
-#     && python3 tools/with_site.py /tmp/site voice.bench --device cpu --json > $OUT/voice_bench_h200.json
+#     && python3 tools/with_site.py /tmp/site lab.voice_bench --device cpu --json > $OUT/voice_bench_h200.json
 # (tools/with_site.py appends /tmp/site to sys.path, so the machine's own packages keep precedence.)
 set -euo pipefail
 PART_MIB=${PART_MIB:-23}  # the tracked tree is about 41 MiB of the 64 MiB a call carries

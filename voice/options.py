@@ -1,4 +1,4 @@
-"""Command-line options shared by `python -m voice` and `python -m voice.bench`."""
+"""Command-line options shared by `python -m voice` and `python -m lab.voice_bench`."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   optionally issuing their products in turns (`pingpong`, FlashAttention-3's schedule; no faster here either).
   Without the producer (the consumer warpgroup issuing its own loads, refilling a stage once its products
   are done, so that a program is 4 warps and three fit an SM) it was much slower, three programs an SM or two.
-  At the production shape 120 programs of 128 rows leave 12 of an H200's 132 SMs idle (`engine.bench attention`'s
+  At the production shape 120 programs of 128 rows leave 12 of an H200's 132 SMs idle (`lab.bench attention`'s
   grid_fill). A stream-K form (one program per SM, the units' blocks cut evenly among them, a unit's parts folded
   by the program that began it through partial results and flags in global memory) was slower there: 58 against
   54 us, and 57 with no unit cut at all, so its per-program schedule cost more than the idle SMs it filled.
@@ -41,7 +41,7 @@ in their own order with `renamed_p=False`, which shuffles P instead).
 Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py. As there,
 `exp2` puts the softmax's 2^x on the special-function unit ("mufu"), on the FMA and integer units ("fma",
 fp8_attention.py's polynomial) or half on each ("mixed"); on an H200 each step off the special-function unit
-made this kernel slower (`engine.bench attention`), so that unit does not bound it alone. Two options take
+made this kernel slower (`lab.bench attention`), so that unit does not bound it alone. Two options take
 the softmax's elementwise work off the units that do:
 
 - `row_sum="tensor"`: the rows' sums of P come from the tensor cores, a P·1 product (8 columns of ones) issued
@@ -54,13 +54,13 @@ the softmax's elementwise work off the units that do:
   block and consumer warp in the loop against 561, 52.0 against 51.1 us a call at the production shape on an H200,
   in turns.) It picks a code next to the nearest one where the rounding is close, so it adds error: at the
   production shape on an H200, 3.03% against exact attention where P nearest 2^x has 2.55%, for 53.7 us a call
-  (block_m 128, 2 stages) against 60.0 (block_m 64, 2 stages; `engine.bench attention`). With 128-row tiles it is
+  (block_m 128, 2 stages) against 60.0 (block_m 64, 2 stages; `lab.bench attention`). With 128-row tiles it is
   what the ring serves (`SERVED_OPTIONS`), its change to the served clips within the rerun band (docs/quality.md).
 
 `tma_out`: each consumer warpgroup writes its output tile to shared memory, and one TMA store sends it out in whole
 lines (rows past M clipped by the copy engine), in place of each thread storing its fragments of a row (16 bytes of
 bf16, 8 of e4m3, per row and store instruction): the same values bit for bit, 51.7 against 53.2 us a call (bf16
-output) in one sweep of `engine.bench attention` at the production shape on an H200. Served, at up to 32 KiB more
+output) in one sweep of `lab.bench attention` at the production shape on an H200. Served, at up to 32 KiB more
 shared memory a program with 128-row tiles, which hold one program an SM either way (at 64 rows it would cost the second).
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
 hold it to `attention_reference` on a GPU.
@@ -219,7 +219,7 @@ def _p_operand(p, p_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     lane register register). The columns are renamed by that bit permutation (reshape, permute: registers
     only); V's slots are stored in the same order (`pv_slot_order`), so the product is unchanged. Converting
     the layout instead (RENAMED_P False: V's slots in their own order) shuffles P between threads at every
-    block (`engine.bench attention` times both)."""
+    block (`lab.bench attention` times both)."""
     if p.dtype == gl.int32:  # e4m3 codes in f16x2 pairs (`_row_quads` layout): one row's 4 codes a register, one byte move
         p = gl.inline_asm_elementwise("prmt.b32 $0, $1, $3, 0x6420;", "=r,r,r,r,r", [p], dtype=gl.int8, is_pure=True,
                                       pack=4).to(gl.float8e4nv, bitcast=True)
@@ -424,7 +424,7 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
 # What the ring cache serves when no options are given: P as log-linear e4m3 codes with row sums on the tensor
 # cores, two consumer warpgroups per program, the output through shared memory by TMA. Judged against the plain path
 # by the rerun-variance method (docs/quality.md; the TMA store changes no value); fastest at the production shape
-# (`engine.bench attention`).
+# (`lab.bench attention`).
 SERVED_OPTIONS = dict(block_m=128, block_n=128, stages=2, row_sum="tensor", exp2="e4m3_bits", tma_out=True)
 # The options before it: P as the e4m3 value nearest 2^x (the special-function unit's), row sums in FP32.
 NEAREST_P_OPTIONS = dict(block_m=64, block_n=128, stages=3, row_sum="fma", exp2="mufu")

@@ -12,7 +12,7 @@ that cuBLAS would write and the SwiGLU pass read back never exists (half the byt
 
 On Hopper the engine serves MLP-in with the SwiGLU form, and q/k/v, the attention's out-projection and MLP-out
 with the plain form in 128x256 tiles where all three outputs tile in 256 columns (FP8Linear; cuBLAS,
-`torch._scaled_mm`, elsewhere): `engine.bench step` times the step with MLP-in on cuBLAS instead, with q/k/v and
+`torch._scaled_mm`, elsewhere): `lab.bench step` times the step with MLP-in on cuBLAS instead, with q/k/v and
 MLP-out on cuBLAS, and with the out-projection on cuBLAS (docs/benchmarks.md). At the 57b shard's N = 7680
 products the tiles fall short of whole rounds of SMs (180 of 128x256: 1.36 rounds of 132), which costs energy
 a call alone: on one H200 the 128x256 form took 0.55 pJ per FLOP with N = 16896 (396 tiles: three whole rounds)

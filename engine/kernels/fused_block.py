@@ -262,7 +262,7 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
     beside the attention branch: the two share only their input, so the GEMMs may fill SMs that the
     attention's tail and the small kernels leave idle. CUDA graphs capture both streams. On one
     H200 the 57b shard's step gained 6% at tensor-parallel degree 4 and about 1% at degrees 1 and 3
-    (`engine.bench step` times both settings; docs/benchmarks.md). The MLP branch is launched first: its GEMM's
+    (`lab.bench step` times both settings; docs/benchmarks.md). The MLP branch is launched first: its GEMM's
     tiles take the SMs and the attention branch fills in behind them. Launched the other way round, with the
     q/k/v GEMM or the whole attention chain first, the step measured slower on one H200 (104.2 and 105.8 ms
     against 103.7, in turns). The GEMMs' shared input padded with zero rows to 768 (cuBLAS then takes a kernel

@@ -110,7 +110,7 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     With `head_norm` ((3, H, D) gains of q, k, v; eps), q, k, v are raw projections (any strides with a
     contiguous last dim, e.g. views of the (F, 3*H*D) QKV output) and get their per-head RMS norms here.
     Small token blocks (16 rows, 8 warps) keep more rows in flight across the SMs than blocks of 64
-    (`engine.bench step` times the cache upkeep both ways). Blocks of 32 rows and 8 warps made the 57b tp3 step
+    (`lab.bench step` times the cache upkeep both ways). Blocks of 32 rows and 8 warps made the 57b tp3 step
     100.8 and 100.6 against 101.2 and 100.8 ms in two runs on H200s, in turns (16 rows and 4 warps: 100.9; 32 rows
     and 4 warps: 101.0), gains inside the spread of one run's five timings (about 1 ms), so the write keeps 16 rows.
     With `pv_order`, V's slots go where the warp-specialised attention kernel reads them

@@ -4,13 +4,13 @@ head, as the engine keeps them), timed in one process in turns, each as a CUDA g
 
 FA3 has no wheel on PyPI; build it from a flash-attention checkout first (tools/build_fa3.sh), then
 
-    PYTHONPATH=flash-attention/hopper python tools/fa3_attention_probe.py   # on a Hopper GPU; prints one JSON object
+    PYTHONPATH=flash-attention/hopper python -m lab.probes.fa3_attention_probe   # on a Hopper GPU; prints one JSON object
 
 FA3 masks by sequence length, not per slot: its K and V are the live slots, a prefix here. The last run calls it
 as the engine would have to: K and V views of every slot, the live count in `cache_seqlens` (FA3's variable-length
 build), so the shapes stay fixed while the window fills. FA3_SOURCE, when set, names the source it was built from
 in the result; `calls_per_step` is how many attention calls the 57b step makes (blocks x passes). `energy`: ours and
-FA3's engine-style call, each replayed back to back for seconds (engine.bench.sustained_energy), as the served
+FA3's engine-style call, each replayed back to back for seconds (lab.bench.sustained_energy), as the served
 step runs them at the GPU's power limit.
 """
 import json
@@ -19,10 +19,10 @@ import os
 import torch
 import triton
 
-from attention_probe_common import D, H, LIVE, M, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns, ws_fp8_run
-from engine.bench import sustained_energy
+from lab.probes.attention_probe_common import D, H, LIVE, M, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns, ws_fp8_run
+from lab.bench import sustained_energy
 from engine.config import get_spec
-from engine.gpu_energy import EnergyMeter
+from lab.gpu_energy import EnergyMeter
 from engine.kernels.fp8_attention_ws import SERVED_OPTIONS
 
 dev = torch.device("cuda")

@@ -1,6 +1,6 @@
 """Where one attention call's warps stall, instruction by instruction, from Nsight Compute's source page.
 
-    python tools/ncu_sass_summary.py docs/results/ncu_attention_ws_sass_h200.csv.gz   # prints one JSON object
+    python -m lab.probes.ncu_sass_summary docs/results/ncu_attention_ws_sass_h200.csv.gz   # prints one JSON object
 
 The input is `ncu --page source --csv --print-source sass` of a report with the SourceCounters section
 (`bash tools/gpu_suite.sh attention-ncu-source`). Instructions are grouped by how often they ran: the

@@ -1,9 +1,9 @@
 """Benchmarks; each prints one JSON object (medians, baseline measured in the same run).
 
-    python -m engine.bench cache --device cpu --json
-    python -m engine.bench cache --device cuda --spec characters-57b --tp-shard 3 --json
-    python -m engine.bench step --spec characters-57b --tp-shard 3 --json
-    python -m engine.bench attention --json
+    python -m lab.bench cache --device cpu --json
+    python -m lab.bench cache --device cuda --spec characters-57b --tp-shard 3 --json
+    python -m lab.bench step --spec characters-57b --tp-shard 3 --json
+    python -m lab.bench attention --json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from engine import fp8
 from engine.cache import ReferenceKVCache, RingKVCache, attention
 from engine.config import SPECS, ModelSpec, get_spec, shard_spec
-from engine.gpu_energy import EnergyMeter, EnergyWindow
+from lab.gpu_energy import EnergyMeter, EnergyWindow
 from engine.model import CausalVideoDiT
 from engine.parallel import shard_model_
 from engine.weights import pick_device
@@ -1067,7 +1067,7 @@ def at_least(low: int) -> Callable[[str], int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description="talkloop engine benchmarks")
+    p = argparse.ArgumentParser(prog="python -m lab.bench", description="talkloop engine benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
     c = sub.add_parser("cache", help="per-step KV cache upkeep: naive vs ring")
     st = sub.add_parser("step", help="one rank's step of the 57b shape: serving path vs baseline, with a breakdown")

@@ -1,8 +1,8 @@
 """Where one rank's serving step spends its GPU time, kernel by kernel (torch.profiler).
 
-    python tools/step_profile.py [--tp-shard 3] [--attention-options JSON]   # on a GPU; prints JSON
+    python -m lab.probes.step_profile [--tp-shard 3] [--attention-options JSON]   # on a GPU; prints JSON
     (tile options name their kernel: '{"kernel": "ws", "stages": 2}' or '{"kernel": "triton", "block_n": 64}')
-    python tools/step_profile.py --graph    # the served step: its CUDA graph replayed, on the GPU's timeline
+    python -m lab.probes.step_profile --graph    # the served step: its CUDA graph replayed, on the GPU's timeline
 
 By default the step runs eagerly (no CUDA graph); kernel durations are the GPU's own, launch gaps
 are not counted. Kernels are grouped by name and sorted by total time. With --graph, steps are
@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench import attention_options_arg, random_shard
+from lab.bench import attention_options_arg, random_shard
 from engine.config import get_spec
 from engine.session import EngineSession
 
@@ -33,8 +33,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", default="characters-57b")
     ap.add_argument("--tp-shard", type=int, default=3)
-    ap.add_argument("--attention-options", type=attention_options_arg, default=None, help="as in engine.bench step")
-    ap.add_argument("--fast-accum", choices=("on", "off"), default="on", help="as in engine.bench step")
+    ap.add_argument("--attention-options", type=attention_options_arg, default=None, help="as in lab.bench step")
+    ap.add_argument("--fast-accum", choices=("on", "off"), default="on", help="as in lab.bench step")
     ap.add_argument("--graph", action="store_true", help="profile the served step (CUDA graph) on the GPU's timeline")
     ap.add_argument("--steps", type=int, default=3, help="steps profiled with --graph")
     args = ap.parse_args()
@@ -107,7 +107,7 @@ def graph_timeline(session: EngineSession, spec, dev: torch.device, steps: int) 
     pause_us = 20_000
     walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):  # each step() alone between pauses, timed as engine.bench times it (sync to sync)
+        for _ in range(steps):  # each step() alone between pauses, timed as lab.bench times it (sync to sync)
             session.push_audio_features(audio)
             torch.cuda.synchronize()
             time.sleep(pause_us / 1e6)

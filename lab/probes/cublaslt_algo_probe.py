@@ -4,9 +4,9 @@ call held back to back at the GPU's power limit, as the served step runs them, a
 torch._scaled_mm runs the heuristic's first candidate (rank 0; the heuristic ranks by time with the clock up and
 offers one at these shapes); beside it every configuration cuBLASLt accepts without a workspace over its large
 tiles, stages, custom options and clusters (ranks 100 on), each checked against torch._scaled_mm's product, timed
-with the clock up, and the fastest held at the power limit (tools/cublaslt.py calls cuBLASLt):
+with the clock up, and the fastest held at the power limit (lab/probes/cublaslt.py calls cuBLASLt):
 
-    python tools/cublaslt_algo_probe.py [--seconds 1.5] [--energy-top 8]   # on a GPU; its last line: one JSON object
+    python -m lab.probes.cublaslt_algo_probe [--seconds 1.5] [--energy-top 8]   # on a GPU; its last line: one JSON object
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import json
 
 import torch
 
-from engine.bench import graph_call_ms
-from engine.gpu_energy import EnergyMeter
+from lab.bench import graph_call_ms
+from lab.gpu_energy import EnergyMeter
 from engine.kernels.fp8_linear import quantize_rows_reference
-from tools import cublaslt
-from tools.gemm_energy_probe import M, add_rates, kernel_names, measure, rel, weight
+from lab.probes import cublaslt
+from lab.probes.gemm_energy_probe import M, add_rates, kernel_names, measure, rel, weight
 
 SHAPES = {"qkv": (7680, 7680), "attn_out": (2560, 7680), "mlp_out": (8192, 7680), "mlp_in": (7680, 16384)}  # (K, N)
 

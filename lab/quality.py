@@ -1,10 +1,10 @@
 """Lip sync, measured from the pictures: how well the mouth in the frames follows the audio.
 
-    python -m engine.quality lipsync --spec demo --audio speech.wav --json
-    python -m engine.quality lipsync --spec demo --audio speech.wav --minutes 10 --json   # long session
-    python -m engine.quality sheet --spec demo --audio speech.wav --presets ada,kofi --out docs/contact.png
-    python -m engine.quality compare --a reference --b fp8-cache --clips 8 --json                # a numerics change
-    python -m engine.quality drift --spec demo --minutes 10 --json                                 # first vs last minute
+    python -m lab.quality lipsync --spec demo --audio speech.wav --json
+    python -m lab.quality lipsync --spec demo --audio speech.wav --minutes 10 --json   # long session
+    python -m lab.quality sheet --spec demo --audio speech.wav --presets ada,kofi --out docs/contact.png
+    python -m lab.quality compare --a reference --b fp8-cache --clips 8 --json                # a numerics change
+    python -m lab.quality drift --spec demo --minutes 10 --json                                 # first vs last minute
 
 The mouth opening of each frame is read from the pixels: the character's geometry is
 known (engine.character), so a box that holds the mouth at every head position is
@@ -607,8 +607,8 @@ def verdict(diff: dict, rerun: dict) -> dict:
 
 
 def speech_clip(seed: int, seconds: float, source: str) -> np.ndarray:
-    """A speech clip reproducible from its seed: utterances and pauses (engine.train's corpus maker)."""
-    from engine.train import make_corpus
+    """A speech clip reproducible from its seed: utterances and pauses (training.train's corpus maker)."""
+    from training.train import make_corpus
 
     pcm16, _ = make_corpus(seconds, seed, (source,))
     return pcm16.astype(np.float32) / 32768.0
@@ -759,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.config import SPECS, get_spec
     from engine.session import CACHES
 
-    p = argparse.ArgumentParser(prog="python -m engine.quality", description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lab.quality", description=__doc__.strip().splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("lipsync", help="score generated frames against the audio, with ceiling and floor")
     ls.add_argument("--spec", default="demo", choices=sorted(SPECS))

@@ -1,6 +1,6 @@
 """Per-stage latency of the voice loop over several spoken questions.
 
-    python -m voice.bench --json
+    python -m lab.voice_bench --json
 
 Each question (spoken by piper, or espeak-ng with --speech espeak) is framed by
 silence and fed through one VoiceLoop in 32 ms chunks at wall-clock pace, as a
@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from .audio import SAMPLE_RATE
-from .loop import RecordingSink, feed_audio
-from .options import EXIT_INTERRUPTED, add_loop_args, build_loop, report_failure
-from .samples import espeak_speech, piper_speech
-from .trace import summarize
+from voice.audio import SAMPLE_RATE
+from voice.loop import RecordingSink, feed_audio
+from voice.options import EXIT_INTERRUPTED, add_loop_args, build_loop, report_failure
+from voice.samples import espeak_speech, piper_speech
+from voice.trace import summarize
 
 QUESTIONS = (
     "Hello, how are you doing today?",
@@ -155,7 +155,7 @@ def score(results: list[dict[str, Any]], limit_s: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m voice.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m lab.voice_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--utterances", type=int, default=8, help=f"how many questions (at most {len(QUESTIONS)})")
     parser.add_argument("--speech", choices=("piper", "espeak"), default="piper", help="what speaks the questions")

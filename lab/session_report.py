@@ -1,5 +1,5 @@
-"""Per-session frame-rate log and the seed's health figure: the share of sessions that
-lasted at least a second and fell behind 24 fps on average.
+"""The seed's health figure from the session log: the share of sessions that lasted at least a second and
+fell behind 24 fps on average.
 
 The seed counts sessions that averaged 24 fps or less, for renderers that run ahead of the
 frame rate. Playout here releases frames on a 24 fps clock, so a session with no underrun
@@ -7,59 +7,18 @@ averages 24 fps to within the clock's rounding (about 1e-9 either side); a sessi
 behind when it averaged below 24 fps by more than `tolerance` (0.1%: an underrun of one frame
 in a minute).
 
-    python -m engine.sessions --log sessions.jsonl --json
+    python -m lab.session_report --log sessions.jsonl --json
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import BinaryIO
 
-
-def default_log() -> Path:
-    return Path(os.environ.get("TALKLOOP_SESSION_LOG", Path.home() / ".cache" / "talkloop" / "sessions.jsonl"))
-
-
-def record_session(stats: dict, path: str | Path | None = None) -> Path:
-    """Append one session's figures (seconds, frames released, fps, underruns...) as a JSON line."""
-    path = Path(path) if path is not None else default_log()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    append_line(path, json.dumps({"ended": time.time(), **stats}) + "\n")
-    return path
-
-
-def append_line(path: str | Path, line: str) -> None:
-    """Append `line` (ending in a line break) to a JSON-lines file and flush it. An earlier write may have left
-    the file ending inside a line (its process died, or the disk filled, mid-write): appended to that fragment,
-    this line would be unreadable too, so it then starts on a line of its own."""
-    try:
-        opened = open(path, "a+b")
-    except (PermissionError, io.UnsupportedOperation):  # a log that cannot be read back (no read permission, a
-        opened = open(path, "ab")  # pipe): appended to as it is
-    with opened as f:
-        if f.readable() and _ends_inside_a_line(f):
-            line = "\n" + line
-        f.write(line.encode("utf-8"))
-        f.flush()
-
-
-def _ends_inside_a_line(f: BinaryIO) -> bool:
-    """Whether the file `f` is non-empty and its last byte is not a line break (never for a pipe: nothing to read
-    back)."""
-    if not f.seekable():
-        return False
-    end = f.seek(0, os.SEEK_END)
-    if end == 0:
-        return False
-    f.seek(end - 1)
-    return f.read(1) != b"\n"
+from engine.session_log import default_log
 
 
 def summarize(path: str | Path, fps: float = 24.0, min_seconds: float = 1.0, tolerance: float = 1e-3) -> dict:
@@ -85,7 +44,7 @@ def summarize(path: str | Path, fps: float = 24.0, min_seconds: float = 1.0, tol
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.sessions", description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lab.session_report", description=__doc__.strip().splitlines()[0])
     p.add_argument("--log", default=None, help=f"session log (default {default_log()})")
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     args = p.parse_args(argv)

@@ -1,11 +1,11 @@
-"""What the probes of other libraries' FP8 attention share (tools/cudnn_attention_probe.py,
-tools/fa3_attention_probe.py): the production-shape inputs with exact attention over them, SDPA in bf16 on
+"""What the probes of other libraries' FP8 attention share (lab/probes/cudnn_attention_probe.py,
+lab/probes/fa3_attention_probe.py): the production-shape inputs with exact attention over them, SDPA in bf16 on
 the same values, the engine's warp-specialised kernel on them, and the timing of several kernels in turns."""
 import statistics
 
 import torch
 
-from engine.bench import attention_inputs, event_ms, graph_call_ms, timings_in_turns
+from lab.bench import attention_inputs, event_ms, graph_call_ms, timings_in_turns
 from engine.kernels.fp8_attention import attention_reference, qk_scale
 from engine.kernels.fp8_attention_ws import SERVED_OPTIONS, WarpSpecializedFP8Attention
 

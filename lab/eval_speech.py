@@ -1,8 +1,8 @@
 """Write speech in the app's own Piper voice as a 16 kHz WAV: the held-out evaluation speech (not in the training
 corpus), or the given lines.
 
-    python tools/eval_speech.py data/eval.wav
-    python tools/eval_speech.py assets/hello.wav --text "Hello there! It's lovely to meet you." --text "What shall we talk about?"
+    python -m lab.eval_speech data/eval.wav
+    python -m lab.eval_speech assets/hello.wav --text "Hello there! It's lovely to meet you." --text "What shall we talk about?"
 
 Deterministic (piper with its sampling noise off), so the lip-sync figures in docs/ can be rerun and the
 shipped greeting (assets/hello.wav, what `python -m engine.generate` says when given no --audio) remade.
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.audio import SAMPLE_RATE
-from engine.train import PiperSource
+from training.train import PiperSource
 
 SENTENCES = [
     "Hello there! I'm glad you came by today. Let me tell you about the little garden behind my house.",
@@ -42,7 +42,7 @@ def write_speech(out: Path, sentences: list[str]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python tools/eval_speech.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m lab.eval_speech", description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default="data/eval.wav", help="the WAV to write (its folder is made)")
     parser.add_argument("--text", action="append", help="a line to say instead of the evaluation speech (repeatable)")
     args = parser.parse_args(argv)

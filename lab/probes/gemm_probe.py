@@ -1,13 +1,13 @@
 """GEMM shapes of one 57b rank at TP 3 (M = 757): bf16 vs FP8 row-wise (with and without fast accumulation)
 vs FP8 tensor-wise scaling.
 
-    python tools/gemm_probe.py   # on a GPU; prints one JSON object
+    python -m lab.probes.gemm_probe   # on a GPU; prints one JSON object
 """
 import json
 
 import torch
 
-from engine.bench import event_ms
+from lab.bench import event_ms
 
 dev = torch.device("cuda")
 M = 757

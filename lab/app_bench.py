@@ -1,7 +1,7 @@
 """End of the user's speech to the character's voice at the browser, over several turns.
 
-    python -m app.bench --json                 # demo spec, default agent, this machine's device
-    python -m app.bench --spec tiny --json     # the small engine CI uses on 2 CPU cores
+    python -m lab.app_bench --json                 # demo spec, default agent, this machine's device
+    python -m lab.app_bench --spec tiny --json     # the small engine CI uses on 2 CPU cores
 
 The whole app runs: its web server in this process, Debian's chromium driven by Playwright
 with a WAV of spoken questions as its microphone (each followed by silence for the reply),
@@ -76,10 +76,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
-    from app.browser import chromium_path, conversation_wav, start_in_browser, start_server, stop_server
+    from lab.browser import chromium_path, conversation_wav, start_in_browser, start_server, stop_server
     from app.config import build_config
     from app.controller import Controller
-    from voice.bench import QUESTIONS
+    from lab.voice_bench import QUESTIONS
     from voice.samples import sample_speech
 
     config = build_config(args.config, dict(spec=args.spec, device=args.device, port=free_port(), record=False,
@@ -151,7 +151,7 @@ def _barge_ins(controller, count: int) -> dict[str, Any]:
     """A session with the scripted microphone: `count` questions, each cut short while its reply plays."""
     from playwright.sync_api import sync_playwright
 
-    from app.browser import SCRIPTED_MIC, barge_in, start_in_browser, wait_until
+    from lab.browser import SCRIPTED_MIC, barge_in, start_in_browser, wait_until
     from voice.samples import piper_speech
     from voice.trace import summarize
 
@@ -181,7 +181,7 @@ def _barge_ins(controller, count: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m lab.app_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--spec", default=None, help="engine spec (default: the app's, demo)")
     p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"))

@@ -1,6 +1,6 @@
 """Faults injected into a running session, to check that it reports them and recovers or ends cleanly.
 
-    python -m engine.soak --spec tiny --seconds 20 --fault slow-step@5 --fault exhaust-buffer@10:1.5 --json
+    python -m lab.soak --spec tiny --seconds 20 --fault slow-step@5 --fault exhaust-buffer@10:1.5 --json
 
 A fault is KIND@SECONDS[:ARG], SECONDS into the session:
 

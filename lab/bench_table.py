@@ -1,17 +1,15 @@
 """Write docs/benchmarks.md from the JSON results under docs/results/ (numbers are never typed by hand).
 
-    python tools/bench_table.py
+    python -m lab.bench_table
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
-sys.path.insert(0, str(ROOT))  # the project's own modules, with the script run from anywhere
 
 
 def load(name: str) -> dict | None:
@@ -24,7 +22,7 @@ def ms(x: float) -> str:
 
 
 def train_summary(path: Path) -> dict | None:
-    """Totals from a training log (JSON lines of `python -m engine.train all`, one or more resumed calls)."""
+    """Totals from a training log (JSON lines of `python -m training.train all`, one or more resumed calls)."""
     if not path.is_file():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
@@ -45,9 +43,9 @@ def demo_character(gpu: str) -> list[str]:
     if train:
         c, d = train["codec"], train["dit"]
         out += ["## The demo character: training", "",
-                f"Hardware: {gpu}. Corpus: `python -m engine.train corpus --out data/speech.npz --minutes 15 --seed 0` "
+                f"Hardware: {gpu}. Corpus: `python -m training.train corpus --out data/speech.npz --minutes 15 --seed 0` "
                 "(here, espeak-ng + piper), then on the GPU, three calls of "
-                "`python -m engine.train all --spec demo --corpus data/speech.npz --device cuda --assets out/assets "
+                "`python -m training.train all --spec demo --corpus data/speech.npz --device cuda --assets out/assets "
                 "--work out/train --session-minutes 9.3 [--resume]` (log: `docs/results/train_demo_h200.jsonl`).", "",
                 "| part | steps | training seconds | final | size MB |", "|---|---|---|---|---|",
                 f"| codec (4 frames <-> 1 latent) | {c['steps']} | {c['elapsed']:.0f} | PSNR {train['codec_psnr']:.1f} dB "
@@ -62,8 +60,8 @@ def demo_character(gpu: str) -> list[str]:
         out += ["## The demo character: lip sync", "",
                 "The engine's generated frames (ring FP8 cache, position reset every 42 steps, decoder on the same "
                 "device) scored against the audio envelope; ceiling = the renderer's own frames, floor = the generated "
-                "mouth against shuffled audio. Audio: `python tools/eval_speech.py data/eval.wav` (held-out piper speech).", "",
-                "Command: `python -m engine.quality lipsync --spec demo --audio data/eval.wav --device DEVICE --json` "
+                "mouth against shuffled audio. Audio: `python -m lab.eval_speech data/eval.wav` (held-out piper speech).", "",
+                "Command: `python -m lab.quality lipsync --spec demo --audio data/eval.wav --device DEVICE --json` "
                 "(results: `docs/results/lipsync_demo_*.json`)", "",
                 "| machine | seconds | generated score | ceiling | floor | generated / ceiling | steps/s (real time: 6) |",
                 "|---|---|---|---|---|---|---|"]
@@ -81,12 +79,12 @@ def demo_character(gpu: str) -> list[str]:
                 + f" (`ref_diff`: mean absolute difference from the reference picture, 0..255). Renderer ceiling over the first "
                 f"minute {long['ceiling_first_minute']['score']:.3f}. {long['steps_per_second']:.1f} steps/s with decoding "
                 "and scoring on the same device (real time: 6).", "",
-                "Command: `python -m engine.quality lipsync --spec demo --audio data/eval.wav --device cuda --minutes 10 --json` "
+                "Command: `python -m lab.quality lipsync --spec demo --audio data/eval.wav --device cuda --minutes 10 --json` "
                 "(result: `docs/results/long_session_demo_h200.json`)", ""]
     if (ROOT / "docs" / "contact.png").is_file():
         out += ["Generated frames for two presets (top row of each pair: the engine; below: the renderer), every 6th frame:", "",
                 "![contact sheet](contact.png)", "",
-                "Command: `python -m engine.quality sheet --spec demo --audio data/eval.wav --presets ada,kofi --out docs/contact.png`", ""]
+                "Command: `python -m lab.quality sheet --spec demo --audio data/eval.wav --presets ada,kofi --out docs/contact.png`", ""]
     return out
 
 
@@ -118,7 +116,7 @@ def two_gpus() -> list[str]:
                 f"Run {step['date']}. Tensor-parallel degree {step['world']}, one process per GPU; {step['path']}; random weights; "
                 "median over the steady-state steps after warm-up, ranks aligned by a barrier before each step; one all-reduce "
                 "per block (60 blocks x 4 passes = 240 a step).", "",
-                "Command: `python -m engine.bench step --spec characters-57b --world 2 --json` "
+                "Command: `python -m lab.bench step --spec characters-57b --world 2 --json` "
                 "(result: `docs/results/step_57b_x2_h200.json`)", "",
                 "| block reduction | step ms (median) | p90 | reset step ms | communication ms per step | peak GB per GPU |",
                 "|---|---|---|---|---|---|"]
@@ -136,7 +134,7 @@ def two_gpus() -> list[str]:
                 f"{ar['shape'][0]} x {ar['shape'][1]} bf16 output, inner dimension {ar['inner_dim']} (one of two ranks); "
                 "per call, median of back-to-back calls between CUDA events. Hidden share = (GEMM alone + all-reduce alone "
                 "- fused) / all-reduce alone.", "",
-                "Command: `python -m engine.bench allreduce --json` (result: `docs/results/allreduce_57b_x2_h200.json`)", "",
+                "Command: `python -m lab.bench allreduce --json` (result: `docs/results/allreduce_57b_x2_h200.json`)", "",
                 "| operands | GEMM + gated sum (cuBLAS) us | NCCL all-reduce alone us | plain (GEMM, then NCCL) us | "
                 "fused, best tile config us | fused's GEMM part alone us | speedup vs plain | all-reduce hidden |",
                 "|---|---|---|---|---|---|---|---|"]
@@ -176,7 +174,7 @@ def two_gpus() -> list[str]:
         out += ["### Step period with the decoder on its own GPU", "",
                 f"Spec `{pipe['spec']}` (random weights, stand-in decoder), placement {pipe['placement']}; median over "
                 f"{pipe['steps_timed']} steady-state steps, two in flight; latents go GPU to GPU through CUDA IPC.", "",
-                "Command: `python -m engine.bench pipeline --spec demo --gpus 0,1 --decoder-gpu 1 --json` "
+                "Command: `python -m lab.bench pipeline --spec demo --gpus 0,1 --decoder-gpu 1 --json` "
                 "(result: `docs/results/pipeline_demo_x2_h200.json`)", "",
                 "| period ms | diffusion ms | decode ms | period - diffusion ms | frames per second |", "|---|---|---|---|---|",
                 f"| {ms(pipe['period_ms'])} | {ms(pipe['diffusion_ms'])} | {ms(pipe['decode_ms'])} | "
@@ -190,7 +188,7 @@ def two_gpus() -> list[str]:
                 "scripted turns (4 s of speech, 3 s of silence) through the playout buffer; frames counted at their "
                 "release times.", "",
                 f"Command: `SESSION_SECONDS={sess['seconds_asked']:.0f} bash tools/gpu_suite.sh session2`, i.e. "
-                f"`python -m engine.soak --spec demo --config cuda-graph,processes=true,decoder_gpu=1 --seconds "
+                f"`python -m lab.soak --spec demo --config cuda-graph,processes=true,decoder_gpu=1 --seconds "
                 f"{sess['seconds_asked']:.0f} --json` (result: `docs/results/session_demo_x2_h200.json`, per-second trace "
                 "`docs/results/session_demo_x2_h200_trace.jsonl`)", "",
                 "| ended | seconds | fps | frames released | underruns | whole seconds below 24 fps | engine loop wait per step "
@@ -208,7 +206,7 @@ def two_gpus() -> list[str]:
 
 def voice_loop() -> list[str]:
     out: list[str] = []
-    from voice.bench import TARGET_S
+    from lab.voice_bench import TARGET_S
 
     gpu_machine = ("The GPU machine (one H200), the models on its CPU: CTranslate2's CUDA build needs CUDA 12's cuBLAS, "
                    "which that machine (CUDA 13) lacks, and its onnxruntime has no CUDA provider")
@@ -224,12 +222,12 @@ def voice_loop() -> list[str]:
                 f"`{r['agent']}`, speech from {r['speech_source']}; {len(r['utterances'])} questions fed in 32 ms chunks at "
                 f"wall-clock pace; min_silence_ms {r['config']['min_silence_ms']}, threshold {r['config']['threshold']}; "
                 f"mean word error rate {r['mean_wer']:.3f}.", "",
-                ("Command: `python -m voice.bench --json`" if name == "cpu" else
+                ("Command: `python -m lab.voice_bench --json`" if name == "cpu" else
                  "Commands: `bash tools/voice_wheels.sh` here, one device call per part "
                  "(`python3 tools/carry_parts.py receive .carry/voice/pNN --store /tmp/parts`), then there "
                  "`python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels && python3 -m pip install "
                  "--no-index --no-deps --target /tmp/site /tmp/wheels/*.whl && python3 tools/with_site.py /tmp/site "
-                 "voice.bench --device cpu --json`") + f" (result: `docs/results/voice_bench_{name}.json`)", "",
+                 "lab.voice_bench --device cpu --json`") + f" (result: `docs/results/voice_bench_{name}.json`)", "",
                 "| stage (Pipecat / LiveKit name) | median s | p95 s |", "|---|---|---|"]
         for key in ("end_of_turn_delay", "stt", "llm_ttft", "tts_ttfb", "speech_end_to_first_audio", "e2e_latency"):
             out.append(f"| {key} | {st[key]['median']:.3f} | {st[key]['p95']:.3f} |")
@@ -252,7 +250,7 @@ def character_replies() -> list[str]:
                 "Spoken-style turns (small talk, facts, requests, follow-ups; since the example exchange also questions "
                 "about the character's own taste), each scored on the facts a right answer contains, a reply that speaks of "
                 "itself as an AI counted wrong; what would reach speech synthesis checked for list or markdown syntax. "
-                "Commands: `python -m voice.agent_bench --json`, and with `--llm qwen2.5-0.5b` (results: "
+                "Commands: `python -m lab.agent_bench --json`, and with `--llm qwen2.5-0.5b` (results: "
                 "`docs/results/agent_bench_cpu.json`, `..._05b.json`)", "",
                 "| model | where | turns | correct | follow-ups | as an AI | list or markup to TTS | first text median s |",
                 "|---|---|---|---|---|---|---|---|"]
@@ -266,7 +264,7 @@ def character_replies() -> list[str]:
     if any(r for _, r in runs):
         out += ["## The voice loop with the language model, end of speech to first reply audio (CPU)", "",
                 "The development machine, no GPU, 2 cores; 10 Piper-spoken questions fed at wall-clock pace. Command: "
-                "`python -m voice.bench --json --utterances 10` (`--llm qwen2.5-0.5b` for the last row; results: "
+                "`python -m lab.voice_bench --json --utterances 10` (`--llm qwen2.5-0.5b` for the last row; results: "
                 "`docs/results/voice_bench_llm_cpu*.json`)", "",
                 "| model | llm_ttft median s | tts_ttfb median s | e2e_latency median s | p95 s | target (<= 1.3 s) |",
                 "|---|---|---|---|---|---|"]
@@ -283,7 +281,7 @@ def character_replies() -> list[str]:
                 "One H200, the demo spec with its CUDA graph, 8 spoken questions, Debian's chromium under Playwright. "
                 "Commands: `LLM=qwen2.5-1.5b PART_MIB=56 bash tools/app_carry.sh` here, one device call per part, then "
                 "`APP_UTTERANCES=8 bash tools/gpu_suite.sh app` there (the model on the CPU); with the CUDA build of "
-                "llama-cpp-python in its place (`LLM_CUDA=1` builds it so), `python -m app.bench --device cuda --utterances 8 "
+                "llama-cpp-python in its place (`LLM_CUDA=1` builds it so), `python -m lab.app_bench --device cuda --utterances 8 "
                 "--json` (results: "
                 "`docs/results/app_bench_llm_h200.json`, `..._repeat.json`, `..._cpu_llm.json`)", "",
                 "| language model | reply first text median s | median s | p95 s | fps | underruns | target (<= 0.9 s) |",
@@ -354,14 +352,14 @@ def ncu_source_summary(name: str) -> str | None:
     path = RESULTS / name
     if not path.is_file():
         return None
-    from ncu_sass_summary import summary  # tools/, beside this script
+    from lab.probes.ncu_sass_summary import summary
 
     r = summary(path)
     loop, rest = r["loop"], r["rest"]
     stalls = ", ".join(f"{k} {v:.0%}" for k, v in list(loop["stalls"].items())[:4])
     ops = ", ".join(f"{n} {op}" for op, n in list(loop["opcodes"].items())[:9])
     once = rest["top"][:2]
-    return (f"Per instruction (`bash tools/gpu_suite.sh attention-ncu-source`, then `python tools/ncu_sass_summary.py "
+    return (f"Per instruction (`bash tools/gpu_suite.sh attention-ncu-source`, then `python -m lab.probes.ncu_sass_summary "
             f"docs/results/{name}`): the consumer's loop body ({loop['instructions']} instructions, run once per K/V block "
             f"per warp) holds {loop['share_of_samples']:.0%} of the stall samples; in it: {stalls} (\"selected\" is issuing; "
             f"\"barrier\" there is waiting for the tensor cores' results). Per block and warp it runs {ops}. The other "
@@ -405,7 +403,7 @@ def step_profile(prof: dict | None, step_ms: float | None, gemm_ms: float | None
     rest = [k for k in prof["kernels"] if k["name"] not in used]
     rows.append(("everything else (patchify, audio embedding, head, ...)", sum(k["ms"] for k in rest), sum(k["calls"] for k in rest)))
     out = ["Where one serving step's GPU time goes, kernel by kernel (the step run eagerly under `torch.profiler`, so that "
-           "each kernel shows by name; kernel durations only). Command: `python tools/step_profile.py` "
+           "each kernel shows by name; kernel durations only). Command: `python -m lab.probes.step_profile` "
            "(result: `docs/results/step_profile_57b_tp3_h200.json`).", "",
            "| kernels | ms per step | launches |", "|---|---|---|",
            *[f"| {label} | {t:.1f} | {n} |" for label, t, n in rows],
@@ -471,13 +469,13 @@ def host_share_before(step: dict, name: str = STEP_BEFORE_GRAPH_SINK) -> list[st
 
 
 def step_timeline(t: dict | None, step: dict | None = None) -> list[str]:
-    """The served step on the GPU's timeline (tools/step_profile.py --graph); `step`, the step benchmark's result,
+    """The served step on the GPU's timeline (lab/probes/step_profile.py --graph); `step`, the step benchmark's result,
     says how far the graph's start lags its inputs without the profiler."""
     if not t:
         return []
     first = t["widest_gaps_last_step"][0] if t.get("widest_gaps_last_step") else None
     line = (f"The served step on the GPU's timeline (its CUDA graph replayed under `torch.profiler`, {len(t['steps'])} steps, "
-            f"each run alone after an idle pause of {t.get('pause_ms', 20):.0f} ms; command: `python tools/step_profile.py --graph`, "
+            f"each run alone after an idle pause of {t.get('pause_ms', 20):.0f} ms; command: `python -m lab.probes.step_profile --graph`, "
             f"result `docs/results/step_timeline_57b_tp3_h200.json`): of a {t['median_span_ms']:.1f} ms span from its first "
             f"kernel to its last, at least one kernel runs for {t['median_busy_ms']:.1f} ms and none for "
             f"{t['median_idle_ms']:.1f} ms (medians). The kernels' durations add up to {t['median_kernel_ms']:.1f} ms: the two "
@@ -494,7 +492,7 @@ def step_timeline(t: dict | None, step: dict | None = None) -> list[str]:
     return [line, ""]
 
 
-FA3_RUNS = ("fa3_fp8", "fa3_fp8_cache_views", "fa3_fp8_splits_auto", "fa3_fp8_kvcache")  # how tools/fa3_attention_probe.py calls FA3
+FA3_RUNS = ("fa3_fp8", "fa3_fp8_cache_views", "fa3_fp8_splits_auto", "fa3_fp8_kvcache")  # how lab/probes/fa3_attention_probe.py calls FA3
 
 
 def against(s: dict, key: str) -> str:
@@ -506,7 +504,7 @@ def against(s: dict, key: str) -> str:
 
 
 def fastest_fa3(r: dict) -> dict:
-    """The fastest FlashAttention-3 run of a tools/fa3_attention_probe.py result."""
+    """The fastest FlashAttention-3 run of a lab/probes/fa3_attention_probe.py result."""
     return min((r[k] for k in FA3_RUNS if k in r), key=lambda x: x["us"])
 
 
@@ -552,7 +550,7 @@ def fa3_in_the_step(r: dict, step: dict | None) -> str:
 
 
 def fa3_attention(r: dict | None, step: dict | None = None) -> list[str]:
-    """FlashAttention-3's FP8 forward beside SDPA bf16 and the warp-specialised kernel, from tools/fa3_attention_probe.py;
+    """FlashAttention-3's FP8 forward beside SDPA bf16 and the warp-specialised kernel, from lab/probes/fa3_attention_probe.py;
     with the step benchmark's result, what it would save in the step."""
     if not r:
         return []
@@ -628,7 +626,7 @@ def fast_path_targets(step: dict | None, att: dict | None, cudnn: dict | None = 
 
 
 def cudnn_attention(r: dict | None) -> list[str]:
-    """cuDNN's FP8 SDPA beside SDPA bf16 and the warp-specialised kernel, from tools/cudnn_attention_probe.py."""
+    """cuDNN's FP8 SDPA beside SDPA bf16 and the warp-specialised kernel, from lab/probes/cudnn_attention_probe.py."""
     if not r:
         return []
     shape = r["shape"]
@@ -650,7 +648,7 @@ def cudnn_attention(r: dict | None) -> list[str]:
            f"medians of {len(r['sdpa_bf16']['us_runs'])} runs taken in turns"
            + (f", each timed as a {r['sdpa_bf16']['timing']}" if len({r[k].get('timing') for k in ('sdpa_bf16', 'ws_fp8') if k in r}) == 1
               and r['sdpa_bf16'].get('timing') else "") + " (command: `pip install nvidia-cudnn-frontend && "
-           f"python tools/cudnn_attention_probe.py`, result `docs/results/cudnn_fp8_attention_h200.json`):", "",
+           "python -m lab.probes.cudnn_attention_probe`, result `docs/results/cudnn_fp8_attention_h200.json`):", "",
            "| kernel | us per call | against SDPA | relative L2 error |", "|---|---|---|---|"]
     out += [f"| {label} | {r[key]['us']:.1f} | {r[key]['speedup_vs_sdpa_bf16']:.2f}x | {r[key]['rel_err']:.4f} |"
             + (f" ({r[key]['timing']})" if r[key].get("timing") != r["sdpa_bf16"].get("timing") else "")
@@ -700,7 +698,7 @@ def step_energy(step: dict) -> list[str]:
     return out + [""]
 
 
-# The FP8 GEMM kernels the step's profiles, timeline and clock log ran (tools/step_profile.py records no kernel choice)
+# The FP8 GEMM kernels the step's profiles, timeline and clock log ran (lab/probes/step_profile.py records no kernel choice)
 PROFILED_GEMM_KERNELS = {"qkv": "triton", "attn_out": "cublas", "mlp_in": "triton", "mlp_out": "triton"}
 
 
@@ -765,12 +763,12 @@ def repeat_runs() -> list[str]:
     parts = []
     if att:
         dates = ", ".join(sorted({r.get("date", "?") for _, r in att}))
-        parts.append("`python -m engine.bench attention --tp-shard 3 --json` "
+        parts.append("`python -m lab.bench attention --tp-shard 3 --json` "
                      + ", ".join(f"{r['speedup']:.3f}x ({r['speedup_e4m3_out']:.3f}x with the e4m3 output; `{name}`)"
                                  if "speedup_e4m3_out" in r else f"{r['speedup']:.3f}x (`{name}`)" for name, r in att)
                      + f" ({dates}; the attention kernels are unchanged since)")
     if step:
-        parts.append("`python -m engine.bench step --spec characters-57b --tp-shard 3 --json` "
+        parts.append("`python -m lab.bench step --spec characters-57b --tp-shard 3 --json` "
                      + ", ".join(f"{r['serving']['step_ms']:.1f} ms at {r['serving']['step_joules']:.1f} J a step "
                                  f"(`{name}`; {r.get('date', '?')}, {STEP_REPEAT_CODE.get(name, 'at the engine code of the step above')})"
                                  for name, r in step))
@@ -893,7 +891,7 @@ def cublas_kernel(measured: dict) -> str:
 
 
 def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
-    """Each block kernel's energy a call held at the power limit (tools/gemm_energy_probe.py), and the step with its
+    """Each block kernel's energy a call held at the power limit (lab/probes/gemm_energy_probe.py), and the step with its
     GEMM operand padded to 768 rows against the unpadded one (`padded`: a step result whose serving path padded)."""
     if not probe:
         return []
@@ -910,7 +908,7 @@ def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
     versions = f"torch {probe.get('torch', '?')}" + (f", Triton {probe['triton']}" if "triton" in probe else "")
     out = [f"On one {probe.get('device', '?')} ({versions}), each of a block's kernels alone at the step's shapes, replayed back to back (CUDA graphs of 20 calls) until the "
            "GPU settles at its power limit as it does in the step, then 1.5 s timed, with NVML's energy counter read before "
-           f"and after (power limit {probe.get('power_limit_w', 0):.0f} W; command: `python tools/gemm_energy_probe.py --seconds 1.5`"
+           f"and after (power limit {probe.get('power_limit_w', 0):.0f} W; command: `python -m lab.probes.gemm_energy_probe --seconds 1.5`"
            + (", in two calls on one machine: " + "; ".join(f"`{c['command']}` ({c['note']})" for c in probe["commands"])
               if len(probe.get("commands", [])) > 1 else "")
            + "; result `docs/results/gemm_energy_probe_h200.json`). At that limit a step's time follows its energy: the last "
@@ -939,7 +937,7 @@ def kernel_energy(probe: dict | None, padded: dict | None) -> list[str]:
                 f"{q['cublas_m768']['mj_per_call']:.1f} mJ a call against {q['cublas']['mj_per_call']:.1f}. The step with the "
                 "q/k/v and MLP GEMMs' shared input padded with zero rows to 768 (so MLP-in's output and MLP-out's input too; "
                 "served at commit d44360c only, result `docs/results/step_57b_tp3_h200_gemm_row_padding.json` of "
-                "`python -m engine.bench step --spec characters-57b --tp-shard 3 --json` there) took "
+                "`python -m lab.bench step --spec characters-57b --tp-shard 3 --json` there) took "
                 f"{ms(s['step_ms_without_gemm_row_padding_serving'])} ms against "
                 f"{ms(s['step_ms_without_gemm_row_padding'])} ms unpadded, the two timed in turns "
                 f"({ms(s['step_ms'])} ms back to back): the kernel that is cheaper alone is not cheaper beside the other "
@@ -962,11 +960,11 @@ def lt_version(v: int | None) -> str:
 
 def cublaslt_configurations(probe: dict | None, step: dict | None, best: int = 3) -> list[str]:
     """cuBLASLt's other configurations at the block GEMMs' shapes, each held at the power limit
-    (tools/cublaslt_algo_probe.py): the heuristic's kernel and the `best` others by energy a call, and the step with
+    (lab/probes/cublaslt_algo_probe.py): the heuristic's kernel and the `best` others by energy a call, and the step with
     the best ones served against the heuristic's, in turns (`step`: a step result whose serving path ran them)."""
     if not probe:
         return []
-    out = [f"cuBLASLt's own alternatives (command: `{probe.get('command', 'python tools/cublaslt_algo_probe.py')}`, result "
+    out = [f"cuBLASLt's own alternatives (command: `{probe.get('command', 'python -m lab.probes.cublaslt_algo_probe')}`, result "
            "`docs/results/cublaslt_algo_probe_h200.json`; one "
            f"{probe.get('device', '?')}, torch {probe.get('torch', '?')}"
            + (f", Triton {probe['triton']}" if "triton" in probe else image_triton())
@@ -998,7 +996,7 @@ def cublaslt_configurations(probe: dict | None, step: dict | None, best: int = 3
     if "step_ms_without_tuned_algorithms" in s:
         out += ["Served in the step (the q/k/v and out-projection products on the least-energy configuration of each, "
                 "through the probe's ctypes binding; at commit 3cfb0cd only, result "
-                "`docs/results/step_57b_tp3_h200_cublaslt_tuned.json` of `python -m engine.bench step --spec characters-57b "
+                "`docs/results/step_57b_tp3_h200_cublaslt_tuned.json` of `python -m lab.bench step --spec characters-57b "
                 f"--tp-shard 3 --json` there): {ms(s['step_ms_without_tuned_algorithms_serving'])} ms a step against "
                 f"{ms(s['step_ms_without_tuned_algorithms'])} ms on the heuristic's kernels, the two timed in turns. With, in "
                 "the same run and on those configurations, each block's gated residual sum moved into the out-projections' epilogues (cuBLASLt's "
@@ -1011,7 +1009,7 @@ def cublaslt_configurations(probe: dict | None, step: dict | None, best: int = 3
 
 def main() -> None:
     out = ["# Benchmarks", "",
-           "Generated by `python tools/bench_table.py` from the JSON files in `docs/results/`; each file is the",
+           "Generated by `python -m lab.bench_table` from the JSON files in `docs/results/`; each file is the",
            "verbatim output of the command shown with it. GPU runs: see `docs/results/gpu_h200.txt`.", ""]
     gpu = (RESULTS / "gpu_h200.txt").read_text().strip().replace("\n", "; ") if (RESULTS / "gpu_h200.txt").is_file() else "?"
     out += pytest_run("pytest_gpu_h200.txt", "GPU tests on one H200, the engine's test files run on the GPU",
@@ -1037,7 +1035,7 @@ def main() -> None:
                 + ", the step's 4 passes in one CUDA graph. Baseline: naive cache (concatenate + rotate the "
                 "window at every call), SDPA in bf16, bf16 GEMMs, eager; being eager it is bound by the host's "
                 "kernel launches, so its total varies between machines and runs more than its parts do.", "",
-                "Command: `python -m engine.bench step --spec characters-57b --tp-shard 3 --json` "
+                "Command: `python -m lab.bench step --spec characters-57b --tp-shard 3 --json` "
                 "(result: `docs/results/step_57b_tp3_h200.json`)", "",
                 "| ms per step | serving | baseline | baseline / serving |", "|---|---|---|---|"]
         for key, label in (("step_ms", "step (median)"), ("gemm_ms", "GEMMs"), ("attention_ms", "attention"),
@@ -1178,7 +1176,7 @@ def main() -> None:
     gemm = load("gemm_probe_h200.json")
     if gemm:
         out += ["GEMMs of one rank (M = 757) through `torch._scaled_mm`: TFLOP/s per shape "
-                "(command: `python tools/gemm_probe.py`, result `docs/results/gemm_probe_h200.json`):", "",
+                "(command: `python -m lab.probes.gemm_probe`, result `docs/results/gemm_probe_h200.json`):", "",
                 "| GEMM | K x N | bf16 | FP8 row-wise scales | the same, fast accumulation | FP8 tensor-wise scale |",
                 "|---|---|---|---|---|---|"]
         shapes = {"qkv": "7680 x 7680", "attn_out": "2560 x 7680", "mlp_in": "7680 x 16384", "mlp_out": "8192 x 7680"}
@@ -1206,12 +1204,12 @@ def main() -> None:
                 f"head dim {shape['head_dim']}. Hardware: {gpu}."
                 + (f" Timing: {att['timing']}. CUDA graphs, because launched one by one from Python the Gluon kernel's "
                    "launcher outlasts the kernel, and the timing measured the host." if "timing" in att else ""), "",
-                "Command: `python -m engine.bench attention --tp-shard 3 --json` (result: `docs/results/attention_57b_tp3_h200.json`)", "",
+                "Command: `python -m lab.bench attention --tp-shard 3 --json` (result: `docs/results/attention_57b_tp3_h200.json`)", "",
                 "| kernel | us per call | TFLOP/s | against SDPA |", "|---|---|---|---|",
                 f"| SDPA, bf16 | {att['sdpa_bf16_us']:.1f} | {att['sdpa_tflops']:.0f} | 1.00x |"]
         flops = att["fp8_tflops"] * best["us"]
         names = {"triton": "Triton FP8", "ws": "warp-specialised FP8 (Gluon, Hopper)"}
-        from engine.bench import ATTENTION_REL_ERR, ATTENTION_REL_ERR_LOG_LINEAR, fastest_correct  # the benchmark's own rule
+        from lab.bench import ATTENTION_REL_ERR, ATTENTION_REL_ERR_LOG_LINEAR, fastest_correct  # the benchmark's own rule
 
         for kernel, name in names.items():
             try:
@@ -1321,7 +1319,7 @@ def main() -> None:
                 f"Spec `{pipe['spec']}` (random weights, stand-in decoder), placement {pipe['placement']}. Hardware: {gpu}. "
                 f"Median over {pipe['steps_timed']} steady-state steps, two steps in flight; latents reach the decoder "
                 "process through CUDA IPC.", "",
-                "Command: `python -m engine.bench pipeline --spec demo --json` (result: `docs/results/pipeline_demo_h200.json`)", "",
+                "Command: `python -m lab.bench pipeline --spec demo --json` (result: `docs/results/pipeline_demo_h200.json`)", "",
                 "| period ms | diffusion ms | decode ms | period - diffusion ms | frames per second | real-time period ms |",
                 "|---|---|---|---|---|---|",
                 f"| {ms(pipe['period_ms'])} | {ms(pipe['diffusion_ms'])} | {ms(pipe['decode_ms'])} | "
@@ -1336,7 +1334,7 @@ def main() -> None:
         out += ["## Cache upkeep per step, GPU", "",
                 f"57b shape, one rank at tensor-parallel degree 3: {sh['layers']} layers x {sh['heads']} heads x {sh['head_dim']}, "
                 f"{sh['cache_slots']} slots, {sh['new_tokens']} new tokens, {sh['attention_calls_per_step']} attention calls a step. {gpu}.", "",
-                "Command: `python -m engine.bench cache --device cuda --spec characters-57b --tp-shard 3 --json` "
+                "Command: `python -m lab.bench cache --device cuda --spec characters-57b --tp-shard 3 --json` "
                 "(result: `docs/results/cache_57b_tp3_h200.json`)", "",
                 "| naive ms | ring (PyTorch) ms | ring (Triton) ms | naive / Triton | reset rotation (Triton) ms |", "|---|---|---|---|---|",
                 f"| {ms(cache_gpu['naive_ms'])} | {ms(cache_gpu['ring_ms'])} | {cache_gpu.get('ring_triton_ms', float('nan')):.2f} | "
@@ -1347,7 +1345,7 @@ def main() -> None:
         out += ["## Cache upkeep per step, CPU", "",
                 f"Spec `{cache['spec']}`: {sh['layers']} layers x {sh['heads']} heads x {sh['head_dim']}, {sh['cache_slots']} slots, "
                 f"{sh['new_tokens']} new tokens, {sh['attention_calls_per_step']} attention calls a step; {cache['device']}, torch {cache['torch']}.", "",
-                "Command: `python -m engine.bench cache --device cpu --json` (result: `docs/results/cache_demo_cpu.json`)", "",
+                "Command: `python -m lab.bench cache --device cpu --json` (result: `docs/results/cache_demo_cpu.json`)", "",
                 "| naive ms | ring ms | speedup | reset rotation ms |", "|---|---|---|---|",
                 f"| {ms(cache['naive_ms'])} | {ms(cache['ring_ms'])} | {cache['speedup']:.1f}x | {ms(cache['reset_ms'])} |", ""]
     (ROOT / "docs" / "benchmarks.md").write_text("\n".join(out))

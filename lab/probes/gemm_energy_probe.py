@@ -3,7 +3,7 @@ back to back at the GPU's power limit as in the served step, beside its time wit
 
 At the power limit the step's time follows its energy, so a kernel is judged by joules per call there:
 
-    python tools/gemm_energy_probe.py [--seconds 2]   # on a GPU; prints one JSON object
+    python -m lab.probes.gemm_energy_probe [--seconds 2]   # on a GPU; prints one JSON object
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import json
 import torch
 from torch import nn
 
-from engine.bench import graph_call_ms, sustained_energy
-from engine.gpu_energy import EnergyMeter
+from lab.bench import graph_call_ms, sustained_energy
+from lab.gpu_energy import EnergyMeter
 from engine.kernels import FP_FUSION, fused_block
 from engine.kernels.fp8_gemm import FP8GEMM
 from engine.kernels.fp8_linear import FP8Linear, quantize_rows_reference

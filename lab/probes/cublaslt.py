@@ -1,4 +1,4 @@
-"""cuBLASLt's FP8 GEMM through ctypes, with the algorithm chosen by the caller (for tools/cublaslt_algo_probe.py).
+"""cuBLASLt's FP8 GEMM through ctypes, with the algorithm chosen by the caller (for lab/probes/cublaslt_algo_probe.py).
 
 `torch._scaled_mm` always runs the first algorithm cuBLASLt's heuristic ranks for a shape (at the 57b shard's
 block shapes it offers just one), and the heuristic ranks by time with the clock up. In the served step the GPU

@@ -1,6 +1,6 @@
 """End of turn: does a pause mid-sentence cut the turn, and how long does a finished one wait?
 
-    python -m voice.turn_bench --json
+    python -m lab.turn_bench --json
 
 Twenty spoken questions, made offline by the bundled Piper voice: ten said straight through, ten with a
 pause of 0.4-0.7 s at a comma or after "and", "but" or "so" (Piper's own pause there, with the sentence's
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .audio import SAMPLE_RATE
-from .loop import RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
-from .options import EXIT_INTERRUPTED, report_failure
-from .samples import piper_speech
-from .trace import summarize
-from .vad import VADConfig
+from voice.audio import SAMPLE_RATE
+from voice.loop import RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
+from voice.options import EXIT_INTERRUPTED, report_failure
+from voice.samples import piper_speech
+from voice.trace import summarize
+from voice.vad import VADConfig
 
 COMPLETE = (
     "What is your name?",
@@ -153,7 +153,7 @@ def run_bench(modes: tuple[str, ...], check_words: bool = True) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m voice.turn_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lab.turn_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--mode", choices=MODES, action="append", help="a mode to run (default: both)")

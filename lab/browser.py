@@ -1,6 +1,6 @@
 """Drives the app from Debian's chromium with Playwright: a WAV file is the microphone.
 
-Used by the end-to-end test and by `python -m app.bench`. Playwright's own browser
+Used by the end-to-end test and by `python -m lab.app_bench`. Playwright's own browser
 downloads are never used: chromium is the system's (`/usr/bin/chromium`), or the one
 TALKLOOP_CHROMIUM names (e.g. Debian's chromium-headless-shell unpacked on a machine
 where nothing can be installed; tools/app_carry.sh).

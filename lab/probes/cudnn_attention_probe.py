@@ -4,7 +4,7 @@ kernel, on the same e4m3 q, K, V, timed in one process in turns, each as a CUDA 
 with its reason.
 
     pip install nvidia-cudnn-frontend   # it loads the cuDNN that PyTorch ships
-    python tools/cudnn_attention_probe.py   # on a GPU; prints one JSON object
+    python -m lab.probes.cudnn_attention_probe   # on a GPU; prints one JSON object
 
 The heads share one scale here (cuDNN takes one descale per tensor; the engine keeps one per head), and the
 live slots are a prefix (cuDNN masks by sequence length, not per slot).
@@ -15,7 +15,7 @@ from importlib.metadata import version
 
 import torch
 
-from attention_probe_common import D, H, LIVE, M, S, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns, ws_fp8_run
+from lab.probes.attention_probe_common import D, H, LIVE, M, S, SHAPE, probe_inputs, sdpa_bf16_run, time_in_turns, ws_fp8_run
 from engine.kernels.fp8_attention_ws import SERVED_OPTIONS
 
 dev = torch.device("cuda")

@@ -1,8 +1,8 @@
 """Soak run: a real-time session driven by scripted turns, watched second by second.
 
-    python -m engine.soak --spec demo --seconds 600 --json                       # the GPU soak
-    python -m engine.soak --spec tiny --seconds 60 --record soak.mp4 --trace soak.jsonl --json
-    python -m engine.soak --spec tiny --config fp8-cache,processes=true --seconds 20 --fault kill-decoder@8 --json
+    python -m lab.soak --spec demo --seconds 600 --json                       # the GPU soak
+    python -m lab.soak --spec tiny --seconds 60 --record soak.mp4 --trace soak.jsonl --json
+    python -m lab.soak --spec tiny --config fp8-cache,processes=true --seconds 20 --fault kill-decoder@8 --json
 
 Turns repeat: `--speech` seconds of speech pushed to the character, then `--silence`
 seconds of nothing. The session plays on the 24 fps clock (the playout buffer paces the
@@ -12,7 +12,7 @@ share of whole seconds that released fewer than 24 frames. Frames go to a fragme
 MP4 (`--record`) and every second, turn, fault and error to a JSON-lines trace
 (`--trace`), flushed line by line: what was written survives any failure.
 
-Faults (`--fault KIND@SECONDS[:ARG]`, see engine/faults.py) are injected on schedule;
+Faults (`--fault KIND@SECONDS[:ARG]`, see lab/faults.py) are injected on schedule;
 the report says for each when it took effect and what followed. An engine failure ends
 the session cleanly (recording closed, trace ended, report printed), or with `--restarts N`
 a new engine takes over, up to N times. Exit status: 0 when the session ran its time,
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from engine.audio import SAMPLE_RATE
-from engine.faults import KILLS, Fault, StepFaults, corrupt_audio, parse_fault
+from lab.faults import KILLS, Fault, StepFaults, corrupt_audio, parse_fault
 from engine.playout import PlayoutBuffer
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -174,7 +174,7 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
          look: str = "ada", source: str | None = None, restarts: int = 0, progress=None) -> dict:
     """The session for `seconds`; an engine failure ends it cleanly, or, up to `restarts` times, a new
     engine takes over (turns go on; the gap shows as underruns and seconds below 24 fps)."""
-    from engine.quality import default_audio_source, open_character, speech_clip
+    from lab.quality import default_audio_source, open_character, speech_clip
 
     faults = sorted(faults or [], key=lambda f: f.at)
     if seconds <= 0:
@@ -405,9 +405,9 @@ def _report(spec, config, trained, audio_source, seconds, wall, samples, per_sec
 def main(argv: list[str] | None = None) -> int:
     from engine import character as ch
     from engine.config import SPECS, get_spec
-    from engine.quality import CONFIG_PRESETS, parse_config
+    from lab.quality import CONFIG_PRESETS, parse_config
 
-    p = argparse.ArgumentParser(prog="python -m engine.soak", description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lab.soak", description=__doc__.strip().splitlines()[0])
     p.add_argument("--spec", default="demo", choices=sorted(SPECS))
     p.add_argument("--config", default="fp8-cache", help=f"PRESET[,key=value...] or a JSON file; presets: {', '.join(CONFIG_PRESETS)}")
     p.add_argument("--seconds", type=float, default=60.0, help="how long the session runs")
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--silence", type=float, default=3.0, help="seconds of silence after each turn")
     p.add_argument("--record", default=None, help="fragmented MP4 of everything played")
     p.add_argument("--trace", default=None, help="JSON-lines trace: every second, turn, fault and error")
-    p.add_argument("--fault", action="append", default=[], help="KIND@SECONDS[:ARG], repeatable (engine/faults.py)")
+    p.add_argument("--fault", action="append", default=[], help="KIND@SECONDS[:ARG], repeatable (lab/faults.py)")
     p.add_argument("--restarts", type=int, default=0, help="after an engine failure, start a new engine (this many times)")
     p.add_argument("--weights", default=None)
     p.add_argument("--preset", default="ada", help=f"character, one of {', '.join(ch.PRESETS)}")

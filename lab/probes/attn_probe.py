@@ -1,9 +1,9 @@
 """The FP8 attention kernel at the production shape under given options: time per call, and what the
 compiler made of it (tensor-core and shared-memory instructions in the PTX, registers, spills). Each call is
-timed as a CUDA graph of 20 calls, as `engine.bench attention` times them.
+timed as a CUDA graph of 20 calls, as `lab.bench attention` times them.
 
-    python tools/attn_probe.py '[{"block_n": 64, "tma": true}, {"block_m": 128, "block_n": 128, "num_warps": 8}]'   # on a GPU
-    python tools/attn_probe.py '[{"kernel": "ws", "block_n": 128, "stages": 3}]'   # the warp-specialised kernel
+    python -m lab.probes.attn_probe '[{"block_n": 64, "tma": true}, {"block_m": 128, "block_n": 128, "num_warps": 8}]'   # on a GPU
+    python -m lab.probes.attn_probe '[{"kernel": "ws", "block_n": 128, "stages": 3}]'   # the warp-specialised kernel
 
 The first line printed is SDPA in bf16 over the same (live) slots, for scale.
 """
@@ -13,7 +13,7 @@ import sys
 import torch
 
 from engine import fp8
-from engine.bench import graph_call_ms, rms_heads
+from lab.bench import graph_call_ms, rms_heads
 from engine.kernels import make_attention
 from engine.kernels.fp8_attention import _attn_kernel, attention_reference, qk_scale
 

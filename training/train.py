@@ -1,8 +1,8 @@
 """Training the demo character: speech corpus, codec and DiT.
 
-    python -m engine.train corpus --out data/speech.npz --minutes 15 --seed 0     # here: espeak-ng + piper
-    python -m engine.train all --spec demo --corpus data/speech.npz --device cuda  # on one GPU, < 30 min
-    python -m engine.train codec ... / python -m engine.train dit ...              # the two halves of `all`
+    python -m training.train corpus --out data/speech.npz --minutes 15 --seed 0     # here: espeak-ng + piper
+    python -m training.train all --spec demo --corpus data/speech.npz --device cuda  # on one GPU, < 30 min
+    python -m training.train codec ... / python -m training.train dit ...              # the two halves of `all`
 
 The corpus is the only data: one int16 16 kHz stream of utterances and silences.
 Frames are rendered from it on the fly (engine.character runs on the GPU), so the
@@ -12,8 +12,8 @@ up, so a killed run loses little. Wall-clock budgets (--codec-minutes, --dit-min
 end each phase and drive its learning-rate schedule; --session-minutes ends one
 invocation early (state saved) so a run can span several time-limited commands:
 
-    python -m engine.train all --device cuda --assets out/assets --session-minutes 9.3            # then
-    python -m engine.train all --device cuda --assets out/assets --session-minutes 9.3 --resume   # until done
+    python -m training.train all --device cuda --assets out/assets --session-minutes 9.3            # then
+    python -m training.train all --device cuda --assets out/assets --session-minutes 9.3 --resume   # until done
 
 `all` keeps the codec it trains in --work beside the DiT and puts the two into --assets
 only once the DiT is saved, so --assets never pairs a new codec with an old DiT.
@@ -226,7 +226,7 @@ def load_corpus(path: str | Path) -> tuple[np.ndarray, dict]:
     """(int16 16 kHz PCM, metadata) from a corpus file; ValueError when it is missing or malformed."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"corpus not found: {path} (make one with `python -m engine.train corpus --out {path}`)")
+        raise ValueError(f"corpus not found: {path} (make one with `python -m training.train corpus --out {path}`)")
     try:
         with np.load(path, allow_pickle=False) as z:
             pcm, meta = z["pcm"], json.loads(str(z["meta"]))
@@ -848,7 +848,7 @@ def check_budgets(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.train", description=__doc__.strip().splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__.strip().splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("corpus", help="synthesise the speech corpus (needs espeak-ng and/or piper)")
     c.add_argument("--out", required=True)

@@ -1,6 +1,6 @@
 """What the character says: the reply agent on a fixed set of spoken-style questions, scored on facts.
 
-    python -m voice.agent_bench --json
+    python -m lab.agent_bench --json
 
 Each conversation is a fresh session; its turns carry the conversation so far, as the voice loop
 does. Every turn names the facts a right answer must contain (each fact: any one of its spellings,
@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .llm import DEFAULT_MODEL, MODELS, LocalLLM, LocalLLMAgent
-from .options import EXIT_INTERRUPTED, report_failure
-from .personas import PERSONAS
-from .spoken import spoken_stream
-from .trace import summarize
-from .tts import SentenceSplitter
+from voice.llm import DEFAULT_MODEL, MODELS, LocalLLM, LocalLLMAgent
+from voice.options import EXIT_INTERRUPTED, report_failure
+from voice.personas import PERSONAS
+from voice.spoken import spoken_stream
+from voice.trace import summarize
+from voice.tts import SentenceSplitter
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def score(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m voice.agent_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lab.agent_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--llm", choices=tuple(MODELS), default=DEFAULT_MODEL, help="the language model")
