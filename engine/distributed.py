@@ -241,7 +241,7 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
         # in line on tensor-parallel ranks: the side stream is measured on one GPU only, not yet beside the
         # all-reduce and the symmetric-memory combine.
         apply_gemm_mode_(model, job.gemm, fuse=device.type == "cuda", branch_streams=False)
-        if job.overlap and device.type == "cuda":  # push: the faster layout on two H200s (docs/benchmarks.md)
+        if job.overlap and device.type == "cuda":  # push: the faster layout on two GPUs (docs/benchmarks.md)
             use_symmetric_combine_(model, job.spec.frame_tokens, device, push=True)
         elif job.overlap:
             for block in model.blocks:

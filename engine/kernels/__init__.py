@@ -100,11 +100,8 @@ def hopper_feature(device_index: int, feature: str, module: str, fallback: str,
 # Programmatic dependent launch: a kernel launched with it may start on the SMs its stream's previous kernel
 # frees as that one ends (its programs wait in `gdc_wait` until that kernel's writes are visible), rather than
 # after the gap between the two. The Triton kernels of the step take it (the FP8 GEMMs, the frame write, the
-# row kernels); in the 57b tp3 step on one H200 it measured 99.57 against 100.34 ms without, in turns (6 rounds of
-# 20-step medians, each round lower; 100.35 against 100.88 on another H200, PDL off on the GEMMs 101.01). The ws
-# attention waiting likewise after the frame write made no difference (99.52), and the row kernels letting the next
-# kernel launch as they start (`gdc_launch_dependents`, so q/k/v's GEMM took the SMs before MLP-in's on the side
-# stream) made the step slower (103.11 against 102.29), so no kernel triggers early. "0" turns it off in every process.
+# row kernels), which makes the step faster; no kernel triggers its dependents early (`gdc_launch_dependents` made
+# the step slower), and the ws attention does not wait this way (docs/kernels.md). "0" turns it off in every process.
 PDL_ENV = "TALKLOOP_PDL"
 _pdl_wanted: bool | None = None  # set_pdl's override of the environment, for timing both ways in one process
 

@@ -10,39 +10,17 @@ in their own order with `renamed_p=False`, which shuffles P instead).
   stages, each guarded by a ready and an empty barrier, so loads never wait behind arithmetic;
 - the consumer warpgroup issues q·kᵀ of block i+1 and P·V of block i together and waits for q·kᵀ only.
   The source waits for P·V after the softmax of block i+1, but ptxas moves that wait to the softmax's
-  start, so in the compiled kernel P·V overlaps the q·kᵀ wait, not the softmax (it does so with the
-  masking branch, the barrier arrives or the rescale taken out too). Carrying P·V in flight
-  across the loop's back edge was no faster on an H200, and in some forms ptxas then waits after every product.
-  So was FlashAttention-3's in-warpgroup order (q·kᵀ of block i+1 issued before block i's softmax, two score
-  tiles live): waiting for P·V with q·kᵀ still in flight makes ptxas serialise every product (its C7514 note),
-  and waiting for both lets it hoist the wait to the softmax's start again, with spills at 232 registers.
-  Starting the exponentials from the blocks before's reference, beside the row maxima, and redoing them when
-  a row's max passes it (a warpgroup-wide vote each block, the rescale skipped otherwise) was much slower;
-  moving a row's reference only when its max passes it by τ and skipping the accumulator's rescale in every
-  warp none of whose rows moved (a warp vote and a uniform branch in inline PTX, no warpgroup barrier) took
-  at most 1.5% off (τ = 3) and added 2-3.5% at τ = 1 at the production shape on an H200, so it was not kept;
+  start, so in the compiled kernel P·V overlaps the q·kᵀ wait, not the softmax;
 - two programs share an SM (registers capped with `maxnreg`), so one's softmax covers the other's
   products; or, with block_m 128, one program runs two consumer warpgroups in partitions of their
-  own that share every K/V tile (half the tile traffic, more registers each; it measured no faster with P nearest
-  2^x, and is the fastest with the log-linear codes below, which leave its warpgroups less to do),
-  optionally issuing their products in turns (`pingpong`, FlashAttention-3's schedule; no faster here either).
-  Without the producer (the consumer warpgroup issuing its own loads, refilling a stage once its products
-  are done, so that a program is 4 warps and three fit an SM) it was much slower, three programs an SM or two.
-  At the production shape 120 programs of 128 rows leave 12 of an H200's 132 SMs idle (`lab.bench attention`'s
-  grid_fill). A stream-K form (one program per SM, the units' blocks cut evenly among them, a unit's parts folded
-  by the program that began it through partial results and flags in global memory) was slower there: 58 against
-  54 us, and 57 with no unit cut at all, so its per-program schedule cost more than the idle SMs it filled.
-  Nor did multiplying the last K/V block only as wide as its slots (64 of 128 at the production shape: q·kᵀ 64 wide,
-  P·V 64 deep, the same output bit for bit) pay: 51.7 us a call, against 51.7 and 52.3 us for two builds of the
-  full-width kernel, timed in turns on an H200. Nor did q·kᵀ reading q from registers, loaded once, rather than from
-  shared memory at every block (wgmma's register operand, as P·V takes P): 50.6 against 50.1 us a call in turns, and
-  36.5 against 36.3 mJ a call held at the power limit, with the served options on an H200.
+  own that share every K/V tile (half the tile traffic, more registers each), optionally issuing their
+  products alternately (`pingpong`, FlashAttention-3's schedule).
 
 Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py. As there,
 `exp2` puts the softmax's 2^x on the special-function unit ("mufu"), on the FMA and integer units ("fma",
-fp8_attention.py's polynomial) or half on each ("mixed"); on an H200 each step off the special-function unit
-made this kernel slower (`lab.bench attention`), so that unit does not bound it alone. Two options take
-the softmax's elementwise work off the units that do:
+fp8_attention.py's polynomial) or half on each ("mixed"); moving it off the special-function unit does not
+pay, so that unit does not bound the kernel alone. Two options take the softmax's elementwise work off the
+units that do:
 
 - `row_sum="tensor"`: the rows' sums of P come from the tensor cores, a P·1 product (8 columns of ones) issued
   beside P·V, fresh each block and added in FP32, in place of 64 adds a thread and block; the sum is then of the
@@ -50,20 +28,18 @@ the softmax's elementwise work off the units that do:
 - `exp2="e4m3_bits"` (with it): 2^x is written straight into e4m3's bits, log-linearly (`e4m3_log_linear`), by
   one FMA a probability, then per pair one conversion to f16x2 that rounds both codes and one f16x2 max that clamps
   them, and per 4 one byte permute that makes a register of P·V's operand: no special-function instruction and no
-  conversion to e4m3 remain. (Before, two FMAs a probability and the compiler's byte packing: 596 instructions a
-  block and consumer warp in the loop against 561, 52.0 against 51.1 us a call at the production shape on an H200,
-  in turns.) It picks a code next to the nearest one where the rounding is close, so it adds error: at the
-  production shape on an H200, 3.03% against exact attention where P nearest 2^x has 2.55%, for 53.7 us a call
-  (block_m 128, 2 stages) against 60.0 (block_m 64, 2 stages; `lab.bench attention`). With 128-row tiles it is
-  what the ring serves (`SERVED_OPTIONS`), its change to the served clips within the rerun band (docs/quality.md).
+  conversion to e4m3 remain. It picks a code next to the nearest one where the rounding is close, so it adds some
+  error against P nearest 2^x; with 128-row tiles it is what the ring serves (`SERVED_OPTIONS`), its change to the
+  served clips within the rerun band (docs/quality.md).
 
 `tma_out`: each consumer warpgroup writes its output tile to shared memory, and one TMA store sends it out in whole
 lines (rows past M clipped by the copy engine), in place of each thread storing its fragments of a row (16 bytes of
-bf16, 8 of e4m3, per row and store instruction): the same values bit for bit, 51.7 against 53.2 us a call (bf16
-output) in one sweep of `lab.bench attention` at the production shape on an H200. Served, at up to 32 KiB more
-shared memory a program with 128-row tiles, which hold one program an SM either way (at 64 rows it would cost the second).
+bf16, 8 of e4m3, per row and store instruction): the same values bit for bit, and faster. Served, at up to 32 KiB
+more shared memory a program with 128-row tiles, which hold one program an SM either way (at 64 rows it would cost
+the second).
+
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
-hold it to `attention_reference` on a GPU.
+hold it to `attention_reference` on a GPU (what was tried: docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -476,7 +452,7 @@ class WarpSpecializedFP8Attention:
         if pingpong and row_sum == "tensor":  # P·1 would be issued after the turn passes to the other warpgroup
             raise ValueError("pingpong with row_sum='tensor' is not built: its P·1 product would fall outside the turns")
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
-        self.pingpong = pingpong  # the two consumers issue their products in turns (FlashAttention-3's ping-pong)
+        self.pingpong = pingpong  # the two consumers issue their products alternately (FlashAttention-3's ping-pong)
         self.permutes_v_slots = renamed_p
         self.tree_max = tree_max  # row maxima as a tree (`_row_max`); False: the plain reduction
         self.exp2 = exp2  # where the softmax's 2^x runs, as in fp8_attention.py

@@ -12,31 +12,10 @@ that cuBLAS would write and the SwiGLU pass read back never exists (half the byt
 
 On Hopper the engine serves MLP-in with the SwiGLU form, and q/k/v, the attention's out-projection and MLP-out
 with the plain form in 128x256 tiles where all three outputs tile in 256 columns (FP8Linear; cuBLAS,
-`torch._scaled_mm`, elsewhere): `lab.bench step` times the step with MLP-in on cuBLAS instead, with q/k/v and
-MLP-out on cuBLAS, and with the out-projection on cuBLAS (docs/benchmarks.md). At the 57b shard's N = 7680
-products the tiles fall short of whole rounds of SMs (180 of 128x256: 1.36 rounds of 132), which costs energy
-a call alone: on one H200 the 128x256 form took 0.55 pJ per FLOP with N = 16896 (396 tiles: three whole rounds)
-against 0.68-0.69 at N = 7680 (cuBLAS: 0.55 and 0.61). In the step the other branch's kernels fill the SMs
-that last round leaves, and there q/k/v and MLP-out on this kernel made the step 0.6-0.9 ms faster than on
-cuBLAS (five runs on H200s, in turns), where either one alone on it made it slower (by 1.3 and 2.9 ms, one run).
-In 128x128 tiles on this kernel they made it slower (both 105.9, q/k/v alone 103.5, MLP-out alone 103.3 against
-101.5 ms), and so did the out-projection on it while q/k/v and MLP-out were on cuBLAS (128x128: 102.4, 128x256: 102.5
-against 101.3), in turns on one H200. With q/k/v and MLP-out on this kernel and its launches programmatically
-dependent (PDL; cuBLAS's are not), the out-projection on it made the step faster in four runs on H200s, by
-0.7-1.9 ms in turns.
-Nor did launching only as many programs as finish in the same rounds, each taking as many tiles (90 of 2 for those
-products, 128 of 3 for MLP-in), free SMs for the other branch to its gain: 102.4 ms a step (those two) and 99.7 (MLP-in)
-against 99.5 with one program per SM, in turns on one H200; nor did a program a tile (103.8 against 102.6 ms, another run).
-Nor did the tiles past the whole rounds, cut in half-width tiles (q/k/v and MLP-out: 132 tiles of 128x256, then 96 of
-128x128 in one round of half the time): alone faster (q/k/v 75.5 against 82.5 us a call with the clock up, cuBLAS 66.5),
-in the step slower (107.2 against 103.1 ms, in turns on one H200): the wider last round holds SMs the other branch took.
-Nor did programs taking tiles as they come free (a counter in global memory, the next tile asked for under this
-one, in a loop Triton does not pipeline across tiles): q/k/v 87.7 against 82.7 us a call alone, a block's three on
-Triton with MLP-in's pair on the side stream 289 against 269 us, the step 106.7 against 102.3 ms (in turns, another H200).
-A stream-K form (whole rounds of tiles, then the tiles left over cut into one equal run of k-blocks a program,
-partial sums through global memory, the last program to arrive at a tile summing them) was slower still there:
-q/k/v 90.6 us a call with the clock up against 66.2 us on cuBLAS in the same run (82.6 us in two whole rounds in
-another), so it was not kept.
+`torch._scaled_mm`, elsewhere); `lab.bench step` times each of them on cuBLAS instead. At the 57b shard's
+N = 7680 the tiles fall short of whole rounds of SMs (180 of 128x256: 1.36 rounds of 132), but in the step the
+other branch's kernels fill the SMs that last round leaves, so one program per SM over every tile serves
+(what was tried: docs/kernels.md).
 On the CPU it runs under TRITON_INTERPRET=1; `fp8_gemm_reference` is the plain PyTorch computation.
 """
 

@@ -153,7 +153,7 @@ def prefer_static_gemm_schedule() -> bool:
     """Run cuBLASLt without a workspace, unless the user set its size: its FP8 kernels at the step's
     shapes then use a static tile schedule instead of a dynamic one whose counter is zeroed by a
     memset before every call (a graph node, and a launch gap, per GEMM: 960 a step for the 57b
-    shard; on one H200 the step took 2 ms less, docs/benchmarks.md). Torch reads the setting at
+    shard; the step is faster without them, docs/kernels.md). Torch reads the setting at
     its first cuBLASLt call in the process and keeps it for every cuBLASLt GEMM after, so it
     takes effect only if no GEMM ran on the GPU before; returns whether this call set it."""
     if os.environ.get(GEMM_WORKSPACE_ENV) is not None:
@@ -198,9 +198,8 @@ def default_gemm_kernels(device: torch.device | None, widths: dict[str, int]) ->
     on Hopper the Triton SwiGLU form for MLP-in where its gate and up halves tile (it measured faster than cuBLAS
     plus the SwiGLU pass), and with it the plain form in 128x256 tiles for q/k/v, the out-projection and MLP-out
     where all three outputs tile in 256 columns (the 57b shard's step at tensor-parallel degree 3 measured faster so
-    than with the out-projection on cuBLAS in the four runs on H200s since the Triton kernels launch with PDL, by
-    0.7-1.9 ms timed in turns, and q/k/v and MLP-out on it faster than on cuBLAS; docs/benchmarks.md); cuBLAS for
-    the rest and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
+    than with the out-projection, or q/k/v and MLP-out, on cuBLAS, once the Triton kernels launch with PDL;
+    docs/kernels.md); cuBLAS for the rest and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
     choice = os.environ.get(FP8_GEMM_ENV, "auto")
     if choice not in ("auto", "cublas"):
         raise ValueError(f"{FP8_GEMM_ENV} must be auto or cublas, got {choice!r}")

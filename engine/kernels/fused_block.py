@@ -16,7 +16,8 @@ FP8 ring cache applies them in the kernel that rotates, quantises and stores q, 
 asks the attend for its output in e4m3 (`fp8_out`): the FP8 ring's attention kernel writes it
 so, at a scale that cannot saturate, and the out-projection reads it with no quantisation pass.
 
-Every kernel is held to the plain PyTorch computation in tests/test_kernels.py.
+Every kernel is held to the plain PyTorch computation in tests/test_kernels.py (on the CPU under
+TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -142,23 +143,8 @@ def gated_sum_ln_quant(a: torch.Tensor, m: torch.Tensor, gate_a: torch.Tensor, g
     """y = x + gate_a * a + gate_m * m (N, K), and what ln_modulate_quant(y, shift, scale) gives, in one pass:
     the residual of one block and the next block's FP8 input. Returns y, its FP8 (N, K) and scales (N, 1).
 
-    One program a row, its row held in registers. At the 57b shard's shape on one H200 (757 x 7680) that took
-    18.6 us a call with the clock up; persistent programs walking rows with the next row's loads pipelined
-    (132 or 264 programs, 4-16 warps, 2-3 stages) took 28-37 us, and programs of 2 or 4 rows 22-26 us; a program
-    a row in chunks of 512-2048 columns, four passes that read the stored residual back, took
-    22.6-34.6 us against 18.9 (four sets of inputs in turns, another H200), and the step 103.15 against 102.06 ms.
-
-    Nothing runs beside this join, and in the 57b tp3 step it costs about 4 ms: with it replaced by a call that returns
-    a fixed next-block input (e4m3 codes of normal rows; the residual left as it was), the step took 97.1 against 101.2 ms,
-    in turns on one H200 (a bound only: with zeros as that input it took 80.3 ms, as the GEMMs' energy follows their
-    operands' bits, so such bounds need realistic codes). Splitting it so that the join reads two tensors, with
-    x + gate_a * a made on the main stream as soon as the attention branch ends, or x + gate_m * m on the side stream
-    after MLP-out, made the step slower: 102.5 and 101.6 against 101.1 ms, in turns on one H200. Nor did LayerNorm's
-    two sums taken in one reduction (the variance as E[y^2] - mean^2, one cross-warp round fewer) pay: 100.53 against
-    100.54 ms, in turns on another H200. Triton 3.6 builds it at 70 registers a thread (three programs an SM); capped at
-    80 or 64 (8 warps), at 40 (16 warps), or at 4, 16 or 32 warps it took 18.9-20.6 against 18.7 us a call alone (four
-    sets of inputs in turns, CUDA graphs of 20 calls, one H200), and on the same inputs at every call 18.3-20.0 against
-    18.2, so the engine keeps 8 warps uncapped."""
+    One program a row, its row held in registers, 8 warps with no register cap: the fastest form of this join,
+    which nothing runs beside, so its time is on the step's critical path (what was tried: docs/kernels.md)."""
     N, K = a.shape
     y = torch.empty_like(x)
     h8 = torch.empty(N, K, device=x.device, dtype=fp8.FP8)
@@ -209,8 +195,8 @@ class FusedPass:
     - The next block's input, normalised and quantised by the kernel that makes this block's residual
       sum, handed over when the next block is called on exactly that residual.
 
-    Both save launches on the step's critical path; in its CUDA graph each one also costs a gap of
-    about 2 us. Nothing is reused across the edge of a CUDA-graph capture (a graph must not read
+    Both save launches on the step's critical path, each also a gap between nodes of its CUDA graph.
+    Nothing is reused across the edge of a CUDA-graph capture (a graph must not read
     tensors made outside it that a later pass may replace), nor for inference-mode tensors, whose
     in-place changes cannot be seen."""
 
@@ -260,23 +246,12 @@ def block_forward(block, x: torch.Tensor, mod: torch.Tensor, attend) -> torch.Te
 
     With `block.branch_streams` (GPU), the MLP branch (MLP-in, SwiGLU, MLP-out) runs on a side stream
     beside the attention branch: the two share only their input, so the GEMMs may fill SMs that the
-    attention's tail and the small kernels leave idle. CUDA graphs capture both streams. On one
-    H200 the 57b shard's step gained 6% at tensor-parallel degree 4 and about 1% at degrees 1 and 3
-    (`lab.bench step` times both settings; docs/benchmarks.md). The MLP branch is launched first: its GEMM's
-    tiles take the SMs and the attention branch fills in behind them. Launched the other way round, with the
-    q/k/v GEMM or the whole attention chain first, the step measured slower on one H200 (104.2 and 105.8 ms
-    against 103.7, in turns). The GEMMs' shared input padded with zero rows to 768 (cuBLAS then takes a kernel
-    whose q/k/v product alone needed 2-8% less energy on two H200s) made the step slower on one H200 (103.95
-    against 103.37 ms, in turns; docs/benchmarks.md), so the products run on the frame's rows as they are. So did
-    cuBLASLt's 128x192 and 192x128 kernels for q/k/v and the out-projections (1.5-2.2% less energy a call alone:
-    103.74 against 102.53 ms, in turns), and the gated residual sum in the out-projections' epilogues gained nothing
-    (103.77 against 103.66), so the sum stays on its own kernel. Where q/k/v and MLP-out run on the Triton GEMM
-    in 128x256 tiles the step measured 0.6-0.9 ms faster, and with the out-projection on it too (FP8Linear's default
-    on Hopper where the three outputs tile in 256 columns) another 0.7-1.9 ms, once the Triton kernels launched with
-    PDL; MLP-out's GEMM adding x + gate_mlp * its product in its epilogue, so that the sum here read two tensors
-    rather than three, made it 0.4 ms slower again (one run on an H200: 101.14 against 100.72 ms,
-    in turns)."""
-    # Taking the table inside the two kernels that read it measured slower (more registers, more loads).
+    attention's tail and the small kernels leave idle. CUDA graphs capture both streams (`lab.bench step` times
+    both settings; docs/benchmarks.md). The MLP branch is launched first: its GEMM's tiles take the SMs and the
+    attention branch fills in behind them. The products run on the frame's rows as they are (no padding), and
+    the gated residual sum stays on its own kernel rather than in a GEMM's epilogue (what was tried:
+    docs/kernels.md)."""
+    # The modulation rows are made here, not inside the two kernels that read them (fewer registers and loads).
     shared, index = block.fused_pass
     shift, scale, gate_attn, gate_mlp = shared.modulation(index, mod).unbind(0)  # rows of a (4, dim) tensor: contiguous
     handed = shared.take_over(x, mod, index)

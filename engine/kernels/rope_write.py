@@ -14,10 +14,9 @@
 Pairs are adjacent dims (2j, 2j+1), as in engine/rope.py; cos/sin tables are
 (positions, tokens, D/2) float32, indexed by a device position index.
 
-`write_frame` stays a kernel of its own rather than the q/k/v GEMM's epilogue: the 57b tp3 step with no frame
-write at all (its cache filled by a writing session, then left as it was) took 99.9 against 101.0 ms, in turns on
-one H200: 1.1 ms is the most the fusion could save, before the cost of the epilogue's norms, rotation and V's
-transposed store.
+`write_frame` stays a kernel of its own rather than the q/k/v GEMM's epilogue: the most that fusion could save
+(the step with no frame write at all) is small next to the cost of the epilogue's norms, rotation and V's
+transposed store (docs/kernels.md). On the CPU the kernels run under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -110,9 +109,8 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     With `head_norm` ((3, H, D) gains of q, k, v; eps), q, k, v are raw projections (any strides with a
     contiguous last dim, e.g. views of the (F, 3*H*D) QKV output) and get their per-head RMS norms here.
     Small token blocks (16 rows, 8 warps) keep more rows in flight across the SMs than blocks of 64
-    (`lab.bench step` times the cache upkeep both ways). Blocks of 32 rows and 8 warps made the 57b tp3 step
-    100.8 and 100.6 against 101.2 and 100.8 ms in two runs on H200s, in turns (16 rows and 4 warps: 100.9; 32 rows
-    and 4 warps: 101.0), gains inside the spread of one run's five timings (about 1 ms), so the write keeps 16 rows.
+    (`lab.bench step` times the cache upkeep both ways); blocks of 32 rows gained no more than the spread
+    between runs, so the write keeps 16 rows (docs/kernels.md).
     With `pv_order`, V's slots go where the warp-specialised attention kernel reads them
     (fp8_attention_ws.pv_slot_order): one more token block per head, as the blocks of V's columns start at the
     frame's first 16-aligned slot; block_t a multiple of 16."""
