@@ -90,7 +90,9 @@ def test_ctrl_c_ends_the_soak_with_its_report_and_the_traces_end(tmp_path):
 
     mp4, trace = tmp_path / "soak.mp4", tmp_path / "soak.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "lab.soak", "--spec", "tiny", "--seconds", "60", "--audio-source", "synth",
-                             "--record", str(mp4), "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--record", str(mp4), "--trace", str(trace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # Ctrl-C as in a terminal, also where pytest itself runs in the background (SIGINT ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (trace.exists() and '"second"' in trace.read_text()):
         time.sleep(0.2)

@@ -121,6 +121,36 @@ def question(text: str, after_s: float = 1.0) -> np.ndarray:
     return with_silence(sample_speech(text), before_s=0.4, after_s=after_s)
 
 
+class SlowReader(ScriptedAgent):
+    """An agent whose reading ahead of the user's words takes 5 s unless it is stopped."""
+
+    def __init__(self) -> None:
+        super().__init__(default=["I'm Joe."])
+        self.stopped_early: list[bool] = []
+
+    def prepare(self, history=(), user_text=None, stop=None) -> None:
+        if user_text is None:
+            return
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if stop is not None and stop():
+                self.stopped_early.append(True)
+                return
+            time.sleep(0.01)
+        self.stopped_early.append(False)
+
+
+def test_reading_ahead_stops_once_a_reply_is_asked_for(models):
+    agent = SlowReader()
+    with make_loop(models, FakeEngineSink(), agent=agent, preemptive_generation=False) as loop:
+        feed_audio(loop, question("Could you tell me a little about the weather where you live?", after_s=1.5),
+                   real_time=True)
+        assert loop.wait_idle(30)
+    [turn] = [t for t in loop.trace.turns if "reply_first_text" in t.stamps]
+    assert agent.stopped_early and agent.stopped_early[-1], agent.stopped_early  # the user's words were read ahead
+    assert turn.stamps["reply_start"] - turn.stamps["asr_done"] < 1.0  # not after the reader's 5 s
+
+
 @pytest.mark.parametrize("output_rate", [16000, 48000])
 def test_full_turn_through_a_fake_engine_sink(models, tmp_path, output_rate):
     sink, events = FakeEngineSink(), []

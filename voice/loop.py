@@ -787,14 +787,15 @@ class VoiceLoop:
 
     def _prepare_agent(self, user_text: str | None = None) -> None:
         """Let an agent that can (a local model) evaluate the next turn's prompt now, while nobody waits for it: the
-        conversation so far, and with user_text the words of the turn heard so far."""
+        conversation so far, and with user_text the words of the turn heard so far. It stops as soon as a reply is
+        asked for (what it read stays in the model's cache for the reply to reuse)."""
         prepare = getattr(self.agent, "prepare", None)
         if prepare is None or self._closed:
             return
         with self._lock:
             history = list(self.conversation)
         try:
-            prepare(history, user_text, stop=lambda: self._closed)
+            prepare(history, user_text, stop=lambda: self._closed or not self._replies.empty())
         except Exception:  # a reply will still be made, only later
             log.exception("agent prepare failed")
 
