@@ -96,6 +96,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "reply": turn.info.get("reply_text", ""),
                     "status": turn.info.get("status"),
                     "durations_s": turn.durations(),
+                    "reply_gap_s": turn.info.get("reply_gap_s", 0.0),
                 }
             )
     finally:
@@ -144,6 +145,8 @@ def score(results: list[dict[str, Any]], limit_s: float) -> dict[str, Any]:
         "answered": count,
         "mean_wer": round(float(np.mean([r["wer"] for r in results])), 3) if results else None,
         "stages_s": stages,
+        # the longest silence inside each reply's voice, where its next words were not ready in time
+        "reply_gap_s": summarize([r["reply_gap_s"] for r in results if answered(r)]),
         "target": {
             "metric": "e2e_latency median",
             "limit_s": limit_s,

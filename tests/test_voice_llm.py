@@ -10,7 +10,7 @@ import voice.llm as llm_module
 from voice.agent import ReplyAgent
 from lab.agent_bench import CONVERSATIONS, T, run_conversations, score
 from voice.llm import MODELS, LocalLLM, LocalLLMAgent, ModelPackage, model_file
-from voice.personas import EXAMPLE_EXCHANGE, PERSONAS
+from voice.personas import EXAMPLE_EXCHANGES, PERSONAS
 
 
 def fake_model(tmp_path: Path, parts: list[bytes]) -> tuple[ModelPackage, list[Path]]:
@@ -104,8 +104,9 @@ def test_the_example_exchange_stays_when_old_exchanges_leave_a_full_context(llm)
                for i in range(40)]
     prompt = agent.prompt("And one more?", history)
     assert llm.count_tokens(prompt) <= llm.context_tokens - agent.max_tokens
-    assert EXAMPLE_EXCHANGE[1] in prompt and "fact number 0 " not in prompt and "fact number 39 " in prompt
-    assert prompt.index(EXAMPLE_EXCHANGE[1]) < prompt.index("fact number 39 ")
+    for _, example in EXAMPLE_EXCHANGES:
+        assert example in prompt and prompt.index(example) < prompt.index("fact number 39 ")
+    assert "fact number 0 " not in prompt and "fact number 39 " in prompt
 
 
 def test_a_cancelled_reply_generates_no_more_tokens(llm):

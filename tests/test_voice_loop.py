@@ -588,3 +588,21 @@ def test_a_closed_loop_still_held_at_exit_leaves_no_resampler_behind(tmp_path):
     done = run_script(tmp_path / "held_at_exit.py", HELD_AT_EXIT_SCRIPT, timeout=120)
     assert done.returncode == 0 and "closed" in done.stdout, done.stderr
     assert "leaked" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("token_s, gap", [(0.001, False), (0.15, True)])
+def test_the_trace_keeps_the_longest_silence_inside_a_reply(models, tmp_path, token_s, gap):
+    """"Sure!" plays for about half a second; a next sentence that takes 2 s to write leaves the voice silent
+    between them, and the trace says for how long; one written at once leaves no gap."""
+    agent = PacedAgent(["Sure!", "Here is a long answer that has very many words in it before it comes to its end."],
+                       token_s=token_s)
+    trace_path = tmp_path / "turns.jsonl"
+    with make_loop(models, FakeEngineSink(), agent=agent, trace_path=str(trace_path)) as loop:
+        feed_audio(loop, question("Can you tell me a joke?"), real_time=False)
+        assert loop.wait_idle(60)
+    [record] = read_jsonl(trace_path)
+    assert record["status"] == "completed"
+    if gap:
+        assert 1.0 < record["reply_gap_s"] < 3.0
+    else:
+        assert record.get("reply_gap_s", 0.0) < 0.05

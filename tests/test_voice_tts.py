@@ -65,6 +65,16 @@ def test_splitter_keeps_numbers_and_cuts_long_clauses():
     assert list(split_sentences(["Short, sweet."])) == ["Short, sweet."]
 
 
+def test_a_reply_leads_with_short_clauses_then_keeps_its_clauses_whole():
+    """The first words go at their first comma, so the first audio is not late, and so do the next few, so a one-word
+    first clause is followed in time; past lead_words a clause needs clause_min_words."""
+    splitter = SentenceSplitter(first_clause_min_words=1, lead_words=8)
+    reply = "Sure! Here's a joke: why did the robot, who was tired, take a nap? It had a bad byte, said the cat."
+    out = [sentence for word in reply.split(" ") for sentence in splitter.push(word + " ")] + splitter.flush()
+    assert out == ["Sure!", "Here's a joke:", "why did the robot,", "who was tired, take a nap?",
+                   "It had a bad byte, said the cat."]
+
+
 def test_markup_is_not_read_aloud():
     assert clean_for_speech("**Hello** see https://example.com/x `code`") == "Hello see code"
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .personas import DEFAULT_PERSONA, EXAMPLE_EXCHANGE, Persona, system_prompt
+from .personas import DEFAULT_PERSONA, EXAMPLE_EXCHANGES, Persona, system_prompt
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +359,7 @@ class LocalLLMAgent:
         now = self.clock()
         today = f"Today is {now.strftime('%A')}, {now.day} {now.strftime('%B %Y')}."
         parts = [f"{self.IM_START}system\n{self.system_prompt} {today}{self.IM_END}\n"]
-        parts.append(self._exchange(*EXAMPLE_EXCHANGE))  # kept, like the system prompt, when old exchanges go
+        parts.extend(self._exchange(*example) for example in EXAMPLE_EXCHANGES)  # kept, like the system prompt
         fixed = len(parts)
         for said, answered in self.window(history):
             parts.append(self._exchange(said, answered))

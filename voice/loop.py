@@ -120,7 +120,7 @@ class VoiceLoopConfig:
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
     barge_in: bool = True
-    first_clause_min_words: int = 3  # the reply's first clause is spoken at a comma once it has this many words
+    first_clause_min_words: int = 1  # the reply's first clause is spoken at a comma once it has this many words ("Sure,")
     # Start the reply at the user's pause, before the end of the turn is confirmed; speak it once it is.
     preemptive_generation: bool = True
     # An agent that can (a local model) reads the user's words while they speak, so its reply starts sooner.
@@ -950,9 +950,14 @@ class VoiceLoop:
                 t = now()
                 starts = self.sink.push_audio(pcm, rate)
                 turn.trace.mark("tts_first_audio", t)
+                continues = turn.audio_pushed
                 turn.audio_pushed = True
                 # the sink's estimate counts the frames waiting ahead of this audio (0.3-0.5 s in the engine)
                 plays_from = max(self._playout_until, t) if starts is None else max(starts, t)
+                if continues and plays_from > self._playout_until:
+                    # the reply's voice falls silent here: its next words were not ready when the last ran out
+                    waited = plays_from - self._playout_until
+                    turn.trace.info["reply_gap_s"] = round(max(turn.trace.info.get("reply_gap_s", 0.0), waited), 3)
                 self._playout_until = plays_from + pcm.shape[0] / rate
                 turn.trace.info["reply_audio_s"] = round(turn.trace.info.get("reply_audio_s", 0.0) + pcm.shape[0] / rate, 3)
                 if not recorded:

@@ -39,9 +39,12 @@ SYSTEM_PROMPT = (
 )
 
 
-# One exchange shown to the model before the conversation, inside its cached prefix: answered as a person with
-# tastes of their own, it keeps a small model in character (docs/app.md, "The character's mind").
-EXAMPLE_EXCHANGE = ("What is your favourite food?", "Easy: a big bowl of noodle soup with lots of chilli. It warms me right up.")
+# Exchanges shown to the model before the conversation, inside its cached prefix: answered as a person with
+# tastes of their own, they keep a small model in character (docs/app.md, "The character's mind").
+EXAMPLE_EXCHANGES = (
+    ("What is your favourite food?", "Easy: a big bowl of noodle soup with lots of chilli. It warms me right up."),
+    ("Do you like rainy days?", "I do, actually. Rain on the window and a good book make a perfect afternoon."),
+)
 
 
 def persona_for(preset: str, name: str | None = None) -> Persona:

@@ -52,20 +52,23 @@ class SentenceSplitter:
     """Accumulate streamed text and hand out complete sentences.
 
     A clause ending in a comma is released early only when it already holds at
-    least `clause_min_words` words, so short sentences keep their prosody; the
-    reply's first clause goes at `first_clause_min_words`, as the first audio waits
-    on it while a language model writes the rest. Text with
+    least `clause_min_words` words, so short sentences keep their prosody; until
+    `lead_words` words have been released, a clause goes at `first_clause_min_words`,
+    as the first audio waits on it while a language model writes the rest (and the
+    second waits on the next clause while a one-word first one, "Sure!", plays). Text with
     no punctuation at all is cut after `max_words` words, so that its first audio is
     not late (Piper takes seconds over a sentence of hundreds of words, and a reply
     cut short goes on synthesizing it).
     """
 
-    def __init__(self, clause_min_words: int = 12, max_words: int = 25, first_clause_min_words: int | None = None) -> None:
+    def __init__(self, clause_min_words: int = 12, max_words: int = 25, first_clause_min_words: int | None = None,
+                 lead_words: int = 8) -> None:
         self.clause_min_words = clause_min_words
         self.first_clause_min_words = clause_min_words if first_clause_min_words is None else first_clause_min_words
         self.max_words = max_words
+        self.lead_words = lead_words
         self._buffer = ""
-        self._released = False
+        self._released = 0  # words handed out so far
 
     def push(self, chunk: str) -> list[str]:
         self._buffer += chunk
@@ -81,11 +84,11 @@ class SentenceSplitter:
             self._buffer = self._buffer[end:]
             if sentence:
                 out.append(sentence)
-                self._released = True
+                self._released += len(sentence.split())
         return out
 
     def _long_clause(self) -> int | None:
-        least = self.clause_min_words if self._released else self.first_clause_min_words
+        least = self.first_clause_min_words if self._released < self.lead_words else self.clause_min_words
         for match in _CLAUSE_END.finditer(self._buffer):
             if len(self._buffer[: match.start()].split()) >= least:
                 return match.end()
