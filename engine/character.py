@@ -21,7 +21,8 @@ from dataclasses import astuple, dataclass, fields
 import numpy as np
 import torch
 
-from engine.audio import SAMPLE_RATE, log_mel_frames, mel_filterbank
+from engine.audio import SAMPLE_RATE
+from engine.mel import log_mel_frames, mel_filterbank
 
 RENDER_MELS = 32  # the mouth reads its own 32-band log-mel, whatever the model spec's n_mels
 LOUD_DB = (10.0, 36.0)  # frame loudness (dB of summed mel power) mapped to mouth opening 0 .. 1
@@ -186,7 +187,7 @@ def mouth_from_features(features: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"mouth features must be (frames, {RENDER_MELS}), got {tuple(features.shape)}")
     if not torch.isfinite(features).all():
         raise ValueError("mouth features contain NaN or infinite values")
-    mel = (10.0 ** (4.0 * features.double() - 4.0) - 1e-6).clamp(min=0.0)  # undo engine.audio's scaling
+    mel = (10.0 ** (4.0 * features.double() - 4.0) - 1e-6).clamp(min=0.0)  # undo engine.mel's scaling
     low, high = (m.to(mel) for m in _band_masks())
     loud = 10.0 * torch.log10(mel.sum(1) + 1e-10)
     open_ = ((loud - LOUD_DB[0]) / (LOUD_DB[1] - LOUD_DB[0])).clamp(0.0, 1.0) ** 0.8

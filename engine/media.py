@@ -1,4 +1,4 @@
-"""Audio files in, MP4 (H.264 + AAC) out, through PyAV's bundled FFmpeg."""
+"""MP4 (H.264 + AAC) out, through PyAV's bundled FFmpeg. (Audio files in: `engine.audio.read_audio`.)"""
 
 from __future__ import annotations
 
@@ -9,34 +9,7 @@ import av
 import numpy as np
 
 from engine.audio import SAMPLE_RATE
-
-
-def read_audio(path: str | Path, max_seconds: float | None = None) -> np.ndarray:
-    """Any audio file FFmpeg reads -> 16 kHz mono float32; clear errors for missing or broken files."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"audio file not found: {path}")
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-    chunks: list[np.ndarray] = []
-    total = 0
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.audio:
-                raise ValueError(f"{path} has no audio stream")
-            for frame in container.decode(audio=0):
-                for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray().reshape(-1))
-                    total += chunks[-1].size
-                if max_seconds is not None and total > max_seconds * SAMPLE_RATE:
-                    raise ValueError(f"{path} is longer than {max_seconds:g} s")
-            for out in resampler.resample(None):
-                chunks.append(out.to_ndarray().reshape(-1))
-    except av.error.FFmpegError as e:
-        raise ValueError(f"cannot decode audio from {path}: {e}") from e
-    pcm = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
-    if not np.isfinite(pcm).all():
-        raise ValueError(f"{path} decodes to NaN or infinite samples")
-    return pcm
+from engine.audio import read_audio  # noqa: F401  (re-exported: engine/generate.py and lab/quality.py import it from here)
 
 
 def audio_encoder(sample_rate: int = SAMPLE_RATE) -> av.CodecContext:

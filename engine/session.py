@@ -16,8 +16,8 @@ import logging
 import torch
 
 from engine import kernels
-from engine.audio import silence_features
 from engine.cache import ReferenceKVCache, RingKVCache
+from engine.mel import silence_features
 from engine.model import CausalVideoDiT
 
 CACHES = ("ring", "reference")

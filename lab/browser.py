@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from voice.audio import SAMPLE_RATE, write_wav
+from engine.audio import SAMPLE_RATE, write_wav
 from voice.samples import speech_bounds
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import wave
 from pathlib import Path
 
 import numpy as np
 
-from engine.audio import SAMPLE_RATE
+from engine.audio import SAMPLE_RATE, write_wav
 from training.train import PiperSource
 
 SENTENCES = [
@@ -32,12 +31,7 @@ def write_speech(out: Path, sentences: list[str]) -> float:
     voice = PiperSource()
     pause = np.zeros(SAMPLE_RATE // 2, np.float32)
     pcm = np.concatenate([part for s in sentences for part in (voice.say(s, 1.0), pause)])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with wave.open(str(out), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE)
-        w.writeframes((np.clip(pcm, -1, 1) * 32767).astype(np.int16).tobytes())
+    write_wav(out, pcm, SAMPLE_RATE)
     return pcm.size / SAMPLE_RATE
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from voice.audio import SAMPLE_RATE
+from engine.audio import SAMPLE_RATE
 from voice.loop import RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
 from voice.options import EXIT_INTERRUPTED, report_failure
 from voice.samples import piper_speech

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from voice.audio import SAMPLE_RATE
+from engine.audio import SAMPLE_RATE
 from voice.loop import RecordingSink, feed_audio
 from voice.options import EXIT_INTERRUPTED, add_loop_args, build_loop, report_failure
 from voice.samples import espeak_speech, piper_speech

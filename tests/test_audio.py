@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.audio import SAMPLE_RATE, frame_sample, log_mel_frames, resample, silence_features, to_mono_16k
+from engine.audio import SAMPLE_RATE, frame_sample, resample, to_mono_16k
+from engine.mel import log_mel_frames, silence_features
 from engine.realtime import AudioTimeline
 
 

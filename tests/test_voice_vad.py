@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
+from engine.audio import SAMPLE_RATE
 from voice.samples import sample_speech, speech_bounds, with_silence
-from voice.vad import SAMPLE_RATE, StreamingVAD, VADConfig, speech_segments
+from voice.vad import StreamingVAD, VADConfig, speech_segments
 
 SR = SAMPLE_RATE
 

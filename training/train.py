@@ -31,14 +31,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import io
 import json
 import math
 import shutil
 import subprocess
 import sys
 import time
-import wave
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import character as ch
-from engine.audio import SAMPLE_RATE, log_mel_frames, resample, silence_features
+from engine.audio import SAMPLE_RATE, read_wav, resample
+from engine.mel import log_mel_frames, silence_features
 from engine.codec import TrainedCodec, build_codec, codec_path, load_codec, save_codec
 from engine.config import SPECS, ModelSpec, get_spec
 from engine.model import CausalVideoDiT, HeadNorm, apply_head_norm, build_model
@@ -99,13 +98,11 @@ def make_sentence(rng: np.random.Generator) -> str:
 
 
 def _wav_bytes_to_16k(data: bytes) -> np.ndarray:
-    with wave.open(io.BytesIO(data)) as w:
-        rate, width = w.getframerate(), w.getsampwidth()
-        raw = w.readframes(w.getnframes())  # espeak streams a header with an unknown length
-    if width != 2:
-        raise ValueError(f"expected 16-bit PCM from the synthesiser, got {8 * width}-bit")
-    x = np.frombuffer(raw[: len(raw) // 2 * 2], dtype=np.int16).astype(np.float32) / 32768.0
-    return resample(x, rate, SAMPLE_RATE)
+    """espeak-ng's WAV on stdout (its header declares no length) -> 16 kHz mono float32."""
+    samples, rate = read_wav(data)
+    if samples.ndim != 1:
+        raise ValueError(f"expected mono speech from the synthesiser, got {samples.shape[1]} channels")
+    return resample(samples, rate, SAMPLE_RATE)
 
 
 def espeak_say(text: str, voice: str, variant: str, speed: int, pitch: int, gap: int = 0) -> np.ndarray:

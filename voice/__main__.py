@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .audio import SAMPLE_RATE, load_wav_16k, write_wav
+from engine.audio import SAMPLE_RATE, load_wav_16k, write_wav
+
 from .loop import RecordingSink, feed_audio
 from .options import EXIT_INTERRUPTED, add_loop_args, build_loop, report_failure
 from .samples import sample_speech, with_silence

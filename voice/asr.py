@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.audio import SAMPLE_RATE
+
 log = logging.getLogger(__name__)
 
 # Whisper's annotations of non-speech ("[Music]", "(coughs)", "*sigh*") are not words said.
@@ -30,7 +32,6 @@ def clean_transcript(text: str) -> str:
     return text if any(ch.isalnum() for ch in text) else ""
 
 
-SAMPLE_RATE = 16000
 HOP = 160  # Whisper feature frames are 10 ms
 WHISPER_WINDOW_S = 30  # the window Whisper was trained on
 

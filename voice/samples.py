@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .audio import SAMPLE_RATE, read_wav, to_mono_float32
+from engine.audio import SAMPLE_RATE, read_wav, to_mono_float32
 
 
 def espeak_available() -> bool:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.audio import SAMPLE_RATE
+
 WINDOW = 512
 CONTEXT = 64
-SAMPLE_RATE = 16000
 
 
 @functools.lru_cache(maxsize=1)
