@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import sys
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -89,8 +90,11 @@ class _Silent:
         return iter(())
 
 
-def run_mode(mode: str, questions: list[tuple[str, np.ndarray, bool]], check_words: bool = True) -> dict[str, Any]:
+def run_mode(mode: str, questions: list[tuple[str, np.ndarray, bool]], check_words: bool = True,
+             statement_delay: float | None = None) -> dict[str, Any]:
     config = VoiceLoopConfig(turn_detection=mode, vad=VADConfig(min_silence_ms=300), check_words=check_words)
+    if statement_delay is not None:
+        config = replace(config, statement_endpointing_delay=statement_delay)
     loop = VoiceLoop(RecordingSink(), agent=_Silent(), config=config)
     rows = []
     try:
@@ -122,22 +126,28 @@ def run_mode(mode: str, questions: list[tuple[str, np.ndarray, bool]], check_wor
     cut = sum(r["cut_early"] for r in paused_rows)
     return {
         "mode": mode,
-        **({"check_words": check_words} if mode == "smart_turn" else {}),
+        **({"check_words": check_words, "statement_endpointing_delay": config.statement_endpointing_delay}
+           if mode == "smart_turn" else {}),
         "cut_early": cut,
         "cut_early_straight": sum(r["cut_early"] for r in straight),
         "paused_questions": len(paused_rows),
         "end_of_turn_delay_s": delays,
+        # questions end at min_endpointing_delay, other complete turns at statement_endpointing_delay
+        "end_of_turn_delay_questions_s": summarize([r["end_of_turn_delay_s"] for r in straight
+                                                    if r["question"].endswith("?") and "end_of_turn_delay_s" in r]),
+        "end_of_turn_delay_statements_s": summarize([r["end_of_turn_delay_s"] for r in straight
+                                                     if not r["question"].endswith("?") and "end_of_turn_delay_s" in r]),
         "met": cut <= TARGET["cut_early"] and delays.get("median", 1e9) <= TARGET["end_of_turn_delay_median_s"],
         "questions": rows,
     }
 
 
-def run_bench(modes: tuple[str, ...], check_words: bool = True) -> dict[str, Any]:
+def run_bench(modes: tuple[str, ...], check_words: bool = True, statement_delay: float | None = None) -> dict[str, Any]:
     questions = [(q, piper_speech(q), False) for q in COMPLETE]
     questions += [(q, paused_speech(q, PAUSES_S[i % len(PAUSES_S)]), True) for i, q in enumerate(PAUSED)]
     order = [questions[i // 2 + (i % 2) * len(COMPLETE)] for i in range(len(questions))]  # alternate the two sets
     load_before = os.getloadavg()
-    results = [run_mode(mode, order, check_words) for mode in modes]
+    results = [run_mode(mode, order, check_words, statement_delay) for mode in modes]
     return {
         "benchmark": "end of turn: paused questions cut early, end-of-turn delay on questions said straight through",
         "speech_source": "piper",
@@ -157,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--mode", choices=MODES, action="append", help="a mode to run (default: both)")
+    parser.add_argument("--statement-endpointing-delay", type=float, default=None,
+                        help="smart_turn: silence that ends a complete turn whose words are not a question (default: the loop's)")
     parser.add_argument("--no-check-words", dest="check_words", action="store_false",
                         help="smart_turn on the model's verdict alone (the loop's check_words off)")
     args = parser.parse_args(argv)
     try:
-        report = run_bench(tuple(args.mode or MODES), args.check_words)
+        report = run_bench(tuple(args.mode or MODES), args.check_words, args.statement_endpointing_delay)
     except KeyboardInterrupt:
         return report_failure("interrupted", args.json, EXIT_INTERRUPTED)
     except (ValueError, OSError, RuntimeError) as err:

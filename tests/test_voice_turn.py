@@ -152,6 +152,25 @@ def test_an_opening_clause_the_model_finds_complete_waits_for_the_rest():
     assert turn.info["end_reason"] == "smart_turn"
 
 
+def test_a_statement_waits_longer_so_the_question_after_it_stays_in_the_turn():
+    """A model that finds "My favourite colour is green" complete, a pause of 0.6 s, then "what is yours?": the
+    words asked nothing, so the turn waits statement_endpointing_delay and the question joins it."""
+    model = AlwaysComplete()
+    loop = VoiceLoop(RecordingSink(), agent=Silent(), config=VoiceLoopConfig(), turn_model=model)
+    with loop:
+        speech = paused_speech("My favourite colour is green, | what is yours?", 0.6)
+        feed_audio(loop, with_silence(speech, before_s=0.4, after_s=2.0), real_time=True)
+        feed_audio(loop, with_silence(piper_speech("I would like a cup of tea."), before_s=0.4, after_s=2.0), real_time=True)
+        assert loop.wait_idle(20)
+    first, second = [t for t in loop.trace.turns if "speech_end" in t.stamps and t.info.get("status") != "continued"]
+    assert "green" in first.info["user_text"] and "yours" in first.info["user_text"]
+    assert first.stamps["speech_end"] - first.stamps["last_voiced_audio"] < 0.5  # the question ended it at once
+    assert "tea" in second.info["user_text"] and second.info["turn_judgements"][-1].get("statement") is True
+    assert second.stamps["speech_end"] - second.stamps["last_voiced_audio"] >= 0.8 - 0.035
+    with pytest.raises(ValueError, match="statement_endpointing_delay"):
+        VoiceLoopConfig(statement_endpointing_delay=0.1)
+
+
 def test_silence_mode_keeps_the_old_rule_and_bad_settings_are_refused():
     assert VoiceLoopConfig(turn_detection="silence").vad_for_turns().min_silence_ms == 300
     assert VoiceLoopConfig().vad_for_turns().min_silence_ms == 1600

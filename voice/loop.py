@@ -115,6 +115,10 @@ class VoiceLoopConfig:
     # 0.05-0.3 s on a CPU, is in when the silence reaches min_endpointing_delay; a complete turn ends then.
     turn_model_lead_s: float = 0.1
     turn_threshold: float = 0.5  # Smart Turn's probability of a complete turn at or above which it ends
+    # With check_words: a complete turn whose words are not a question ends only at this much silence, as a
+    # statement may open a question ("My favourite colour is green, what is yours?"); the reply begun at the
+    # pause is made meanwhile, so little of the wait is heard.
+    statement_endpointing_delay: float = 0.8
     # A complete verdict waits while the newest transcript of the turn cannot end it (voice/turn.py, unfinished_words).
     check_words: bool = True
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
@@ -139,6 +143,9 @@ class VoiceLoopConfig:
         if not 0 <= self.turn_model_lead_s < self.min_endpointing_delay:
             raise ValueError(f"turn_model_lead_s must be >= 0 and below min_endpointing_delay ({self.min_endpointing_delay}), "
                              f"got {self.turn_model_lead_s}")
+        if not self.min_endpointing_delay <= self.statement_endpointing_delay < self.max_endpointing_delay:
+            raise ValueError("need min_endpointing_delay <= statement_endpointing_delay < max_endpointing_delay, got "
+                             f"{self.min_endpointing_delay}, {self.statement_endpointing_delay}, {self.max_endpointing_delay}")
         if not 0 < self.turn_threshold < 1:
             raise ValueError(f"turn_threshold must be between 0 and 1, got {self.turn_threshold}")
 
@@ -535,15 +542,20 @@ class VoiceLoop:
                     self._judge_words(turn, until)
 
     def _judge_words(self, turn: _Turn, until: int) -> None:
-        """A turn the model found complete (lock held): it ends once the silence reaches min_endpointing_delay,
-        unless its newest words cannot end it ("When you have a moment."); then it is judged again later."""
+        """A turn the model found complete (lock held): it ends once the silence reaches min_endpointing_delay
+        (statement_endpointing_delay where its words, all in, are not a question), unless its newest words cannot
+        end it ("When you have a moment."); then it is judged again later."""
         words = turn.words[1]
         if self.config.check_words and unfinished_words(words):
             turn.trace.info["turn_judgements"][-1]["unfinished_words"] = words
             turn.judge_at = until + int(self.config.turn_recheck_s * SAMPLE_RATE)
             self._ask_judge(turn)
             return
-        turn.complete_at = turn.voiced_end + int(self.config.min_endpointing_delay * SAMPLE_RATE)
+        delay = self.config.min_endpointing_delay
+        if self.config.check_words and turn.words[0] >= turn.voiced_end and not words.strip().endswith("?"):
+            delay = self.config.statement_endpointing_delay  # the words are all in, and they ask nothing
+            turn.trace.info["turn_judgements"][-1]["statement"] = True
+        turn.complete_at = turn.voiced_end + int(delay * SAMPLE_RATE)
         if self._history.total >= turn.complete_at:
             self._end_judged_turn(turn, now())
 

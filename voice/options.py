@@ -84,6 +84,8 @@ def add_loop_args(parser: argparse.ArgumentParser) -> None:
                         help="smart_turn: silence after which a turn the model finds complete ends (seconds)")
     parser.add_argument("--max-endpointing-delay", type=_positive_seconds, default=loop.max_endpointing_delay,
                         help="smart_turn: silence that ends a turn the model finds incomplete (seconds)")
+    parser.add_argument("--statement-endpointing-delay", type=_positive_seconds, default=loop.statement_endpointing_delay,
+                        help="smart_turn: silence that ends a complete turn whose words are not a question (seconds)")
     parser.add_argument("--no-check-words", dest="check_words", action="store_false",
                         help="smart_turn: end a turn the model finds complete even when its words so far cannot end it "
                              "(a trailing 'and', a lone 'If ...' clause)")
@@ -113,6 +115,7 @@ def build_loop(args: argparse.Namespace, sink: AudioSink) -> VoiceLoop:
         turn_detection=args.turn_detection,
         min_endpointing_delay=args.min_endpointing_delay,
         max_endpointing_delay=args.max_endpointing_delay,
+        statement_endpointing_delay=args.statement_endpointing_delay,
         check_words=args.check_words,
         trace_path=args.trace,
     )
