@@ -1,13 +1,18 @@
-"""The trained codec: 4 RGB frames <-> one latent frame.
+"""The codec: 4 RGB frames <-> one latent frame.
 
-The encoder stacks a latent frame's 4 video frames as 12 input channels and halves
+`Codec` is what the engine asks of one: `decode(latent) -> (4, H, W, 3) uint8` and
+`encode_reference(image) -> latent`, the frame a session starts from. Two implement it:
+`TrainedCodec`, loaded from a checkpoint, and `StandInCodec` (right shapes, no training:
+a fixed random per-pixel projection, upsampled) for tests and for a DiT run without one.
+
+The trained encoder stacks a latent frame's 4 video frames as 12 input channels and halves
 the resolution until it reaches the latent grid (16x for the demo spec: 4x256x256x3 ->
 16x16x16); the decoder mirrors it and emits the 4 frames at once. Latents leave the
 encoder through a BatchNorm without affine terms, so each channel has zero mean and
 unit variance over the training data: the scale the DiT's noise assumes.
 
 A single picture (the session's reference) is encoded as that picture held for 4
-frames. The decoder is the engine's decoder: `decode(latent) -> (4, H, W, 3) uint8`.
+frames.
 """
 
 from __future__ import annotations
@@ -16,13 +21,62 @@ import copy
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.config import ModelSpec
-from engine.decoder import check_image
+
+
+class Codec(Protocol):
+    """What the engine asks of a codec (the realtime loop, the decoder processes, generate)."""
+
+    spec: ModelSpec
+
+    def decode(self, latent: torch.Tensor) -> torch.Tensor: ...  # (C, h, w) -> (4, H, W, 3) uint8
+
+    def encode_reference(self, image: torch.Tensor) -> torch.Tensor: ...  # (H, W, 3) uint8 -> (C, h, w)
+
+
+def check_image(image: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """A reference picture (H, W, 3), uint8 or float in [0, 1] -> (3, H, W) float; clear errors for anything else."""
+    if not isinstance(image, torch.Tensor) or image.ndim != 3 or image.shape[-1] != 3:
+        shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+        raise ValueError(f"reference image must be (H, W, 3), got {shape}")
+    if image.dtype == torch.uint8:
+        image = image.float() / 255.0
+    if not torch.isfinite(image).all():
+        raise ValueError("reference image contains NaN or infinite values")
+    return image.permute(2, 0, 1)  # (3, H, W) in [0, 1]
+
+
+class StandInCodec(nn.Module):
+    """Right shapes, no training: the codec of tests, and of a DiT loaded without a trained codec beside it."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 0):
+        super().__init__()
+        self.spec = spec
+        g = torch.Generator().manual_seed(seed)
+        c, k = spec.latent_channels, spec.frames_per_latent
+        self.register_buffer("to_rgb", torch.randn(k * 3, c, generator=g) / c**0.5)
+        self.register_buffer("to_latent", torch.randn(c, 3, generator=g))
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        k = self.spec.frames_per_latent
+        rgb = torch.einsum("oc,chw->ohw", self.to_rgb.to(latent), latent)  # (4*3, h, w)
+        rgb = F.interpolate(rgb[None].float(), size=self.spec.image_size, mode="bilinear", align_corners=False)[0]
+        rgb = torch.sigmoid(rgb).reshape(k, 3, *self.spec.image_size).permute(0, 2, 3, 1)
+        return (rgb * 255).round().to(torch.uint8)
+
+    @torch.no_grad()
+    def encode_reference(self, image: torch.Tensor) -> torch.Tensor:
+        x = check_image(image, self.spec).to(self.to_latent.device)
+        x = F.interpolate(x[None], size=self.spec.latent_grid, mode="area")[0]  # (3, h, w)
+        return torch.einsum("cr,rhw->chw", self.to_latent, x * 2 - 1)
 
 
 @dataclass(frozen=True)
@@ -193,8 +247,6 @@ def codec_path(spec: ModelSpec, assets: str | Path) -> Path:
 
 def save_codec(codec: TrainedCodec, path: str | Path, *, half: bool = True) -> str:
     """Weights (bf16 unless half=False; BatchNorm statistics stay float32) + config, with a .sha256 beside them."""
-    from engine.weights import save_checkpoint
-
     state_module = codec
     if half:
         state_module = copy.deepcopy(codec).cpu()
@@ -207,8 +259,6 @@ def save_codec(codec: TrainedCodec, path: str | Path, *, half: bool = True) -> s
 
 def load_codec(spec: ModelSpec, path: str | Path, *, expected_sha256: str | None = None) -> TrainedCodec:
     """A trained codec for `spec` from a checkpoint, sha256-verified (ValueError on any mismatch)."""
-    from engine.weights import load_checkpoint
-
     codec = build_codec(spec)
     load_checkpoint(codec, codec.cfg, path, expected_sha256=expected_sha256)
     return codec.eval()

@@ -106,11 +106,6 @@ class ModelSpec:
     def step_seconds(self) -> float:
         return self.frames_per_latent / self.fps
 
-    def param_count(self) -> int:
-        from engine.model import count_parameters
-
-        return count_parameters(self)
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.audio import SAMPLE_RATE, frame_of_sample, frame_sample, to_mono_16k
-from engine.decoder import Codec
+from engine.codec import Codec
 from engine.mel import log_mel_frames
 from engine.playout import PlayoutBuffer
 from engine.session import EngineSession

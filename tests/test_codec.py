@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from engine import character as ch
+from engine.checkpoint import save_checkpoint
 from engine.codec import build_codec, codec_config, load_codec, save_codec
 from engine.config import get_spec
-from engine.model import build_model
+from engine.model import build_model, count_parameters
 from training.train import FrameSampler, Tracks, codec_psnr, train_codec
-from engine.weights import ASSETS, load_engine, save_checkpoint
+from engine.weights import ASSETS, load_engine
 from tests.helpers import TINY
 
 DEMO = get_spec("demo")
@@ -95,7 +96,7 @@ def test_load_engine_picks_up_the_codec_beside_the_weights(tmp_path):
 
 def test_demo_weights_fit_the_budget():
     codec_params = sum(p.numel() for p in build_codec(DEMO).parameters())
-    total_mb = 2 * (codec_params + DEMO.param_count()) / 1e6  # both stored in bf16
+    total_mb = 2 * (codec_params + count_parameters(DEMO)) / 1e6  # both stored in bf16
     assert total_mb < 40.0, total_mb
     cfg = codec_config(DEMO)
     assert cfg.latent_grid == (16, 16) and cfg.image_size == (256, 256)

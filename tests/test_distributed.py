@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import get_spec
-from engine.decoder import StandInCodec
+from engine.codec import StandInCodec
 from engine.distributed import DistributedEngine, OverlappedCombine, Placement, free_port
 from engine.model import build_model
 from engine.parallel import shard_model_

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.audio import SAMPLE_RATE, frame_sample
-from engine.decoder import StandInCodec
+from engine.codec import StandInCodec
 from engine.playout import PlayoutBuffer
 from engine.realtime import RealtimeCharacter
 from engine.session import EngineSession

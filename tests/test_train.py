@@ -21,7 +21,8 @@ from training.train import (
     save_corpus,
     teacher_forcing_forward,
 )
-from engine.weights import load_engine, save_checkpoint
+from engine.checkpoint import save_checkpoint
+from engine.weights import load_engine
 from tests.helpers import TINY
 
 

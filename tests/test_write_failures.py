@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.audio import SAMPLE_RATE
-from engine.decoder import StandInCodec
+from engine.codec import StandInCodec
 from engine.media import Mp4Writer
 from engine.realtime import RealtimeCharacter
 from engine.session import EngineSession

@@ -96,7 +96,7 @@ def tampered_checkpoint(folder: Path, spec_name: str = "tiny") -> tuple[Path, Pa
     """(good, tampered, wrong-spec) DiT checkpoints with their .sha256 sidecars; tampered has one byte flipped."""
     from engine.config import get_spec
     from engine.model import build_model
-    from engine.weights import save_checkpoint
+    from engine.checkpoint import save_checkpoint
 
     spec = get_spec(spec_name)
     good = folder / "good.pt"
