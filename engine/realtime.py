@@ -32,6 +32,7 @@ from engine.codec import Codec
 from engine.mel import log_mel_frames
 from engine.playout import PlayoutBuffer
 from engine.session import EngineSession
+from engine.session_log import record_session
 
 _SPEECH_RMS = 1e-4  # below this a frame's audio counts as silence
 log = logging.getLogger(__name__)
@@ -51,7 +52,11 @@ class AVFrame:
 
 
 class AudioTimeline:
-    """16 kHz PCM laid on the video frame clock; silence wherever nothing was pushed."""
+    """16 kHz PCM laid on the video frame clock; silence wherever nothing was pushed.
+
+    The one copy of the character's speech: each step's audio features are computed from it
+    (`features`) and handed to the step, and each frame's sound is cut from it (`frame_pcm`).
+    """
 
     def __init__(self, fps: int):
         self.fps = fps
@@ -98,7 +103,8 @@ class AudioTimeline:
 
 
 class LocalSteps:
-    """Steps made in this process: the session denoises, the codec decodes, one after the other."""
+    """Steps made in this process: the session denoises (on the window it is handed), the codec decodes,
+    one after the other."""
 
     def __init__(self, session: EngineSession, codec: Codec):
         self.session, self.codec, self.spec = session, codec, session.spec
@@ -122,8 +128,10 @@ class LocalSteps:
         return self.session.reset_every
 
     def submit(self, features: torch.Tensor, window_start: int) -> None:
-        self.session.push_audio_features(features, window_start)
-        self._done.append(self.codec.decode(self.session.step()).cpu().numpy())
+        if window_start != self.session.next_frame - self.spec.audio_context:
+            raise ValueError(f"features for frames {window_start} on do not start the window of the session's next step "
+                             f"(frame {self.session.next_frame - self.spec.audio_context})")
+        self._done.append(self.codec.decode(self.session.step(features)).cpu().numpy())
 
     def collect(self) -> np.ndarray:
         return self._done.popleft()
@@ -226,8 +234,6 @@ class RealtimeCharacter:
         p = self.playout.stats
         stats["seconds"] = (p.last_release - p.first_release) if p.first_release is not None else 0.0
         if session_log is not None:
-            from engine.session_log import record_session
-
             try:
                 record_session(stats, session_log)
             except OSError as e:  # a full disk or a bad log path costs the log line, not the figures returned

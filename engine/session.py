@@ -5,6 +5,10 @@
     session.push_audio_features(feats)              # (n_frames, n_mels), one row per video frame
     latent = session.step()                         # (C, h, w): video frames 4t .. 4t+3
 
+A caller that keeps the speech itself (`RealtimeCharacter`, which lays it on its own audio
+timeline) pushes nothing: it hands each step its window, `session.step(window)`, and the
+session holds no copy of it.
+
 Sampling is rectified flow with Euler passes: x_1 is noise, the model predicts the
 velocity (noise - data), and `passes` steps walk the noise level from 1 to 0.
 """
@@ -163,12 +167,28 @@ class EngineSession:
         self._features = self._features[drop:]
         self._features_start += drop
 
+    def _given_window(self, audio: torch.Tensor) -> torch.Tensor:
+        """A step's window handed in by the caller, checked and on the session's device and dtype."""
+        audio = torch.as_tensor(audio)
+        expected = (self.spec.audio_window, self.spec.n_mels)
+        if tuple(audio.shape) != expected:
+            raise ValueError(f"a step's audio window must have shape {expected} (frames {self.next_frame - self.spec.audio_context} "
+                             f"on), got {tuple(audio.shape)}")
+        if not torch.isfinite(audio).all():
+            raise ValueError("audio features contain NaN or infinite values")
+        return audio.to(self.device, self.dtype)
+
     @torch.no_grad()
-    def step(self) -> torch.Tensor:
-        """Denoise the next latent frame (C, h, w)."""
+    def step(self, audio: torch.Tensor | None = None) -> torch.Tensor:
+        """Denoise the next latent frame (C, h, w).
+
+        `audio`: the features (audio_window, n_mels) of this step's window, video frames
+        next_frame - audio_context onwards, from a caller that keeps the speech itself;
+        without it the window is read from the features pushed by push_audio_features.
+        """
         if not self.started:
             raise ValueError("session not started: call start(reference_latent) first")
-        audio = self._audio_window()
+        audio = self._audio_window() if audio is None else self._given_window(audio)
         self._refresh_modulations()  # here, outside any graph capture; the passes read self._time_mods
         if self.cuda_graph:  # the graph writes the sink's keys itself (from device positions): no launch here
             self.cache.begin_step(self.steps_done, write_sink=False)

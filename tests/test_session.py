@@ -115,6 +115,25 @@ def test_audio_window_of_pushed_frames_is_the_frames_rows(model):
     assert torch.equal(window[2:5], features[:3].to(window.dtype))
 
 
+def test_a_window_handed_to_the_step_is_the_window_of_pushed_features(model):
+    """A caller that keeps the speech (the realtime character) hands each step its window; the session keeps no
+    copy, and the frames equal those of a session that was pushed the same rows."""
+    g = torch.Generator().manual_seed(3)
+    features = torch.randn(4 * 4 + TINY.audio_window, TINY.n_mels, generator=g)  # frames -1 on
+    pushed, handed = EngineSession(model, seed=4), EngineSession(model, seed=4)
+    for s in (pushed, handed):
+        s.start(reference_latent())
+    pushed.push_audio_features(features, start_frame=-TINY.audio_context)
+    for _ in range(4):
+        first = handed.next_frame  # row r of `features` is frame r - audio_context
+        assert torch.equal(pushed.step(), handed.step(features[first:first + TINY.audio_window]))
+    assert handed._features.shape[0] == 0
+    with pytest.raises(ValueError, match="window must have shape"):
+        handed.step(features[:2])
+    with pytest.raises(ValueError, match="NaN"):
+        handed.step(torch.full((TINY.audio_window, TINY.n_mels), float("nan")))
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [

@@ -103,12 +103,12 @@ def test_a_session_log_that_cannot_be_written_keeps_the_sessions_figures(tmp_pat
     if failure == "log path is a folder":
         log.mkdir()
     else:
-        import engine.session_log
+        import engine.realtime
 
         def disk_full(stats: dict, path=None):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-        monkeypatch.setattr(engine.session_log, "record_session", disk_full)
+        monkeypatch.setattr(engine.realtime, "record_session", disk_full)
     session = EngineSession(tiny_model(), seed=2)
     session.start(reference_latent())
     character = RealtimeCharacter(session, StandInCodec(TINY))
