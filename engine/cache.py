@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from engine import fp8
 from engine.config import ModelSpec
+from engine.kernels import attention_kernel, make_attention
 from engine.model import HeadNorm, apply_head_norm
 from engine.rope import (
     apply_rope,
@@ -151,8 +152,7 @@ class RingKVCache:
             self._init_triton(q_gains, attention_options or {})
 
     def _init_triton(self, q_gains: list[torch.Tensor] | None, attention_options: dict) -> None:
-        from engine.kernels import attention_kernel, make_attention
-        from engine.kernels.fp8_attention import out_scale, qk_scale
+        from engine.kernels.fp8_attention import out_scale, qk_scale  # Triton, an optional dependency: triton backend only
 
         s, H, D = self.spec, self.n_heads, self.spec.head_dim
         if self.kv_dtype != "fp8" or q_gains is None:
@@ -184,20 +184,19 @@ class RingKVCache:
         rows = -(-s.frame_tokens // 16) * 16  # each layer's scales 64-byte aligned, as cuBLASLt wants them
         self.out8_rows_scale = o_scale.view(-1, 1, 1).expand(-1, rows, 1).contiguous()[:, : s.frame_tokens]  # (L, F, 1)
         self.v_scale_out8 = (self.v_scale / o_scale[:, None]).contiguous()  # (L, H)
-        self.e4m3_out = True  # answer attend(fp8_out=True) in e4m3 (`lab.bench step` turns it off to time bf16)
         options = dict(attention_options)
         kernel = options.pop("kernel", "auto")
         if kernel == "auto" and options:  # tile options differ between the kernels
             raise ValueError(f"attention options {sorted(options)} need the kernel they are for: add \"kernel\": \"triton\" or \"ws\"")
         self.attention_kernel = attention_kernel(kernel, self.device, D)
         if self.attention_kernel == "ws":  # the served configuration, changed only where the options say
-            from engine.kernels.fp8_attention_ws import SERVED_OPTIONS
+            from engine.kernels.fp8_attention_ws import SERVED_OPTIONS  # Triton (Gluon): the ws kernel only
 
             options = {**SERVED_OPTIONS, **options}
         self.attention_options = options  # the kernel's own options as launched (the launcher's defaults for the rest)
         self.attention = make_attention(self.attention_kernel, H, s.frame_tokens, self.k.shape[2], D, self.device, **options)
         if self.attention.permutes_v_slots:
-            from engine.kernels.fp8_attention_ws import pv_slot_order
+            from engine.kernels.fp8_attention_ws import pv_slot_order  # Triton (Gluon): the ws kernel only
 
             self.v_positions = torch.argsort(pv_slot_order(self.k.shape[2])).to(self.device)
         self.rotate_window(count=False)  # compiles the rotation now (zeros stay zeros), not in the first reset step
@@ -259,7 +258,7 @@ class RingKVCache:
         """Position reset: every cached frame key moves back `reset_every` frames in one rotation."""
         first = self.spec.sink_slots
         if self.backend == "triton":
-            from engine.kernels.rope_write import delta_rotate
+            from engine.kernels.rope_write import delta_rotate  # Triton, an optional dependency: triton backend only
 
             L, H, S, D = self.k.shape
             delta_rotate(self.k.view(L * H, S, D), self._reset_cos_t, self._reset_sin_t, self.k_scale.view(-1), first)
@@ -275,7 +274,7 @@ class RingKVCache:
     def write_sink_keys(self) -> None:
         n = self.spec.reference_tokens
         if self.backend == "triton":
-            from engine.kernels.rope_write import rope_store
+            from engine.kernels.rope_write import rope_store  # Triton, an optional dependency: triton backend only
 
             L, H, S, D = self.k.shape
             rope_store(self.sink_k.view(L * H, n, D), self._ref_cos, self._ref_sin, self.pos_idx,
@@ -336,12 +335,12 @@ class RingKVCache:
     def _attend_triton(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        head_norm: HeadNorm | None = None,
                        fp8_out: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        from engine.kernels.rope_write import write_frame
+        from engine.kernels.rope_write import write_frame  # Triton, an optional dependency: triton backend only
 
         write_frame(q, k, v, self._frame_cos, self._frame_sin, self.pos_idx, self.slot, self.q8,
                     self.k[layer], self.vt[layer], self.valid, self.q_scale[layer], self.k_scale[layer], self.v_scale[layer],
                     head_norm=head_norm, pv_order=self.v_positions is not None)
-        if fp8_out and self.e4m3_out:
+        if fp8_out:
             self.attention(self.q8, self.k[layer], self.vt[layer], self.valid, self.qk_scale[layer],
                            self.v_scale_out8[layer], self.out8)
             return self.out8, self.out8_rows_scale[layer]
