@@ -33,7 +33,7 @@ def setting(default: Any, help: str) -> Any:
 class AppConfig:
     host: str = setting("127.0.0.1", "address to serve on")
     port: int = setting(7860, "port to serve on")
-    # Engine
+    # Engine: the names of engine.options.EngineOptions, which app/engine_host.py maps them onto
     device: str = setting("auto", "engine and voice models device")
     spec: str = setting("demo", "engine model spec")
     weights: str | None = setting(None, "engine checkpoint (default: the one shipped for the spec)")

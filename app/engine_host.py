@@ -9,18 +9,41 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 import torch
 
 from app.config import AppConfig
-from engine.character import reference_image
+from engine.build import build_engine, load, plan_placement, start_processes
 from engine.config import ModelSpec, get_spec
-from engine.playout import PlayoutBuffer
-from engine.realtime import LocalSteps, RealtimeCharacter, RemoteSteps
-from engine.session import EngineSession, pick_backend
-from engine.weights import load_engine, pick_device
+from engine.distributed import DistributedEngine
+from engine.options import EngineOptions
+from engine.realtime import RealtimeCharacter
+from engine.session import pick_backend
+from engine.weights import pick_device
 
 log = logging.getLogger(__name__)
+
+
+def engine_options(config: AppConfig, device: torch.device) -> EngineOptions:
+    """The app's engine settings as engine options (same names). On a GPU machine the engine takes the
+    visible GPUs in processes of its own once there are several, or a decoder GPU is named; `tp` is for
+    CPU processes. FP8 keys and values pay off on GPUs; on the CPU, in this process, with no hardware e4m3
+    conversion, they only add a conversion of the whole window at every attention call."""
+    c = config
+    gpus = c.gpus
+    if device.type == "cuda":
+        if c.tp is not None:
+            raise ValueError("tp is for CPU processes; on GPUs give gpus (and decoder_gpu)")
+        if gpus is None and (c.decoder_gpu is not None or torch.cuda.device_count() > 1):
+            gpus = "all"
+    elif c.gpus or c.decoder_gpu:
+        raise ValueError("gpus / decoder_gpu need device cuda")
+    own = gpus is not None or c.tp is not None
+    return EngineOptions(name="app", spec=c.spec, weights=c.weights, device=c.device, gpus=gpus,
+                         decoder_gpu=c.decoder_gpu, tp=c.tp or 1, processes=c.tp is not None,
+                         kv_dtype="fp8" if device.type == "cuda" or own else "fp32", cuda_graph=c.cuda_graph,
+                         prebuffer=c.prebuffer, max_lead=c.max_lead, adaptive_lead=c.adaptive_lead)
 
 
 class EngineHost:
@@ -28,37 +51,19 @@ class EngineHost:
         self.config = config
         self.spec: ModelSpec = get_spec(config.spec)
         self.device = pick_device(config.device)
-        self.placement = self._plan_placement()
-        # The codec stays in this process: it encodes each preset's reference picture.
-        dtype = torch.bfloat16 if self.device.type == "cuda" and self.placement is None else torch.float32
-        model, self.codec, self.trained = load_engine(self.spec, weights=config.weights, device="cpu", seed=0)
-        self.model = model.to(self.device, dtype) if self.placement is None else None
-        if self.model is not None:
-            self.codec = self.codec.to(self.device)
+        options = engine_options(config, self.device)
+        self.placement = plan_placement(options, self.spec)
         self.cuda_graph = self._graph_replay()
+        self.options = replace(options, cuda_graph=self.cuda_graph)
+        # Loaded once: the model (when the engine runs in this process) and the codec, which stays in this
+        # process to encode each preset's reference picture.
+        self.loaded = load(self.options, self.spec, self.placement)
+        self.trained = self.loaded.trained
         self._spare = None
         self._spare_lock = threading.Lock()
         self._closed = False  # under _spare_lock: a spare finished after close() is closed, not kept
         if self.placement is not None:
             self._spare = self._new_distributed()
-
-    def _plan_placement(self):
-        """None: this process; else the Placement of the engine's own processes."""
-        from engine.distributed import Placement
-
-        c = self.config
-        visible = torch.cuda.device_count() if self.device.type == "cuda" else 0
-        if c.tp is not None:
-            if self.device.type == "cuda":
-                raise ValueError("tp is for CPU processes; on GPUs give gpus (and decoder_gpu)")
-            return Placement(cpu_ranks=c.tp)
-        if self.device.type != "cuda":
-            if c.gpus or c.decoder_gpu:
-                raise ValueError("gpus / decoder_gpu need device cuda")
-            return None
-        if c.gpus is None and c.decoder_gpu is None and visible <= 1:
-            return None
-        return Placement.plan(c.gpus, c.decoder_gpu, visible=visible, n_heads=self.spec.n_heads, mlp_hidden=self.spec.mlp_hidden)
 
     def _graph_replay(self) -> bool:
         """Whether the engine's step replays as a CUDA graph: asked for, on GPUs, with one diffusion process
@@ -80,11 +85,8 @@ class EngineHost:
         where = f"GPUs {list(p.diffusion)}" if p.diffusion else f"{p.tp} CPU process(es)"
         return f"diffusion on {where}, decoders on {list(p.decoders) or 'the first diffusion device'}{graph}"
 
-    def _new_distributed(self):
-        from engine.distributed import DistributedEngine
-
-        return DistributedEngine(self.spec, self.placement, weights=self.config.weights, seed=0,
-                                 session={"cuda_graph": True} if self.cuda_graph else None)
+    def _new_distributed(self) -> DistributedEngine:
+        return start_processes(self.options, self.spec, self.placement)
 
     def _take_distributed(self):
         with self._spare_lock:
@@ -110,26 +112,12 @@ class EngineHost:
                 return
         engine.close()
 
-    def new_character(self, preset: str) -> tuple[RealtimeCharacter, object | None]:
+    def new_character(self, preset: str) -> tuple[RealtimeCharacter, DistributedEngine | None]:
         """A started character for a preset, and its distributed engine (None when local)."""
-        reference = self.codec.encode_reference(reference_image(preset, self.spec.image_size))
-        playout = PlayoutBuffer(fps=self.spec.fps, prebuffer=self.config.prebuffer, max_lead=self.config.max_lead)
-        if self.placement is None:
-            # FP8 keys and values pay off on GPUs; on the CPU, with no hardware e4m3 conversion, they only
-            # add a conversion of the whole window at every attention call.
-            session = EngineSession(self.model, kv_dtype="fp8" if self.device.type == "cuda" else "fp32",
-                                    cuda_graph=self.cuda_graph)
-            session.start(reference)
-            character = RealtimeCharacter(steps=LocalSteps(session, self.codec), playout=playout,
-                                          adaptive_lead=self.config.adaptive_lead)
-            engine = None
-        else:
-            engine = self._take_distributed()
-            steps = RemoteSteps(engine)
-            steps.start(reference.cpu())
-            character = RealtimeCharacter(steps=steps, playout=playout, lookahead=1, adaptive_lead=self.config.adaptive_lead)
-        character.start()
-        return character, engine
+        processes = self._take_distributed() if self.placement is not None else None
+        built = build_engine(self.options, self.spec, look=preset, loaded=self.loaded, processes=processes)
+        built.character.start()
+        return built.character, built.engine
 
     def close(self) -> None:
         with self._spare_lock:

@@ -6,7 +6,7 @@ shard with the same seed, so all ranks hold the same latent after each step; ran
 hands it to a decoder process (round-robin when several), which decodes step t
 while the ranks denoise step t+1. Frames come back in order.
 
-    engine = DistributedEngine(spec, Placement.plan("0,1,2,3", "3", ...))
+    engine = DistributedEngine(spec, Placement.plan("0,1,2,3", "3", ...), EngineOptions(...))
     engine.start(reference_latent)
     engine.submit_step(features, start_frame)   # non-blocking
     index, frames = engine.next_frames()        # (4, H, W, 3) uint8, in step order
@@ -27,7 +27,7 @@ import socket
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 from engine.config import ModelSpec, shard_spec
 from engine.kernels import GEMM_MODES, apply_gemm_mode_
+from engine.options import EngineOptions, new_session
 
 # Multicast can take a shared host's GPUs out of service; keep it off for every child process.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -194,11 +195,7 @@ def use_symmetric_combine_(model, rows: int, device: torch.device, **options) ->
 @dataclass
 class _Job:
     spec: ModelSpec
-    weights: str | None
-    seed: int
-    session: dict = field(default_factory=dict)
-    overlap: bool = False
-    gemm: str = "plain"  # plain | fp8 (block linears in FP8, quantised after sharding) | fp8-fast (fast accumulation)
+    options: EngineOptions  # weights, seeds, the session's settings, gemm, fused_allreduce
 
 
 def _device_for(placement: Placement, rank: int) -> torch.device:
@@ -224,7 +221,6 @@ def _get_while_parent_lives(source):
 def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, commands, latents: list, outbox) -> None:
     try:
         from engine.parallel import shard_model_
-        from engine.session import EngineSession
         from engine.weights import load_engine
 
         device = _device_for(placement, rank)
@@ -234,19 +230,20 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // (placement.tp + 1)))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=placement.tp)
-        model, _, _ = load_engine(job.spec, weights=job.weights, device="cpu", seed=job.seed)
+        options = job.options
+        model, _, _ = load_engine(job.spec, weights=options.weights, device="cpu", seed=options.seed)
         shard_model_(model, rank, placement.tp, reduce=_all_reduce)
         model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         # Each rank quantises its own shard (per-channel scales of the columns it holds). The MLP branch stays
         # in line on tensor-parallel ranks: the side stream is measured on one GPU only, not yet beside the
         # all-reduce and the symmetric-memory combine.
-        apply_gemm_mode_(model, job.gemm, fuse=device.type == "cuda", branch_streams=False)
-        if job.overlap and device.type == "cuda":  # push: the faster layout on two GPUs (docs/benchmarks.md)
+        apply_gemm_mode_(model, options.gemm, fuse=device.type == "cuda", branch_streams=False)
+        if options.fused_allreduce and device.type == "cuda":  # push: the faster layout on two GPUs (docs/benchmarks.md)
             use_symmetric_combine_(model, job.spec.frame_tokens, device, push=True)
-        elif job.overlap:
+        elif options.fused_allreduce:
             for block in model.blocks:
                 block.combine = OverlappedCombine(block, job.spec.frame_tokens)
-        session = EngineSession(model, **{"seed": job.seed, **job.session})  # a session seed overrides the weights' seed
+        session = new_session(model, options)
         sent: deque[torch.Tensor] = deque(maxlen=16)
         outbox.put(("ready", rank, None))
         while True:
@@ -279,8 +276,6 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                     latent = latent.float().clone()
                 if rank == 0:  # straight to its decoder, which decodes it while the ranks make the next step
                     latents[index % len(latents)].put((index, latent, 1000 * (time.perf_counter() - t0)))
-            elif cmd == "fail":  # fault injection for tests
-                os._exit(3)
     except BaseException:
         outbox.put(("error", f"diffusion rank {rank}", traceback.format_exc()))
     finally:
@@ -295,7 +290,7 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
         device = torch.device(f"cuda:{device_index}") if device_index is not None else torch.device("cpu")
         if device.type == "cpu":
             torch.set_num_threads(1)
-        _, codec, _ = load_engine(job.spec, weights=job.weights, device=device, seed=job.seed)
+        _, codec, _ = load_engine(job.spec, weights=job.options.weights, device=device, seed=job.options.seed)
         outbox.put(("ready", slot, None))
         decoded = 0
         while True:
@@ -316,15 +311,16 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
 class DistributedEngine:
     TIMINGS_KEPT = 4096  # steps of `timings` kept: 11 minutes of video at 6 steps a second
 
-    def __init__(self, spec: ModelSpec, placement: Placement, *, weights: str | None = None, seed: int = 0,
-                 session: dict | None = None, decoders: int | None = None, overlap: bool = False, gemm: str = "plain",
-                 timeout: float = 300.0):
-        if gemm not in GEMM_MODES:
-            raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
+    def __init__(self, spec: ModelSpec, placement: Placement, options: EngineOptions = EngineOptions(), *,
+                 decoders: int | None = None, timeout: float = 300.0):
+        """Start the processes: every rank loads `options.weights` (or random weights from `options.seed`), shards
+        them, and runs the session `options` describe; `options.fused_allreduce` overlaps each block's all-reduce."""
+        if options.gemm not in GEMM_MODES:
+            raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {options.gemm!r}")
         shard_spec(spec, placement.tp)  # a degree the spec cannot split fails here, not in every rank process
-        self.spec, self.placement, self.timeout = spec, placement, timeout
-        job = _Job(spec, weights, seed, dict(session or {}), overlap, gemm)
-        self.reset_every = spec.reset_interval(job.session.get("reset_every"))  # steps between position resets (0: never)
+        self.spec, self.placement, self.options, self.timeout = spec, placement, options, timeout
+        job = _Job(spec, options)
+        self.reset_every = spec.reset_interval(options.reset_every)  # steps between position resets (0: never)
         ctx = mp.get_context("spawn")
         port = free_port()
         n_dec = decoders if decoders is not None else max(len(placement.decoders), 1)
@@ -431,10 +427,6 @@ class DistributedEngine:
         if name not in pids:
             raise ValueError(f"no engine process named {name!r}; have {', '.join(pids)}")
         os.kill(pids[name], signal.SIGKILL)
-
-    def inject_failure(self, rank: int) -> None:
-        """Make a diffusion rank exit abruptly (fault-injection tests)."""
-        self._commands[rank].put(("fail",))
 
     def close(self) -> None:
         """Stop every process. The steps still submitted are finished and decoded (their frames dropped, counted in

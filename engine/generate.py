@@ -14,17 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from engine.audio import SAMPLE_RATE
+from engine.build import Built, build_engine
 from engine.cache import KV_DTYPES
-from engine.character import PRESETS, reference_image
+from engine.character import PRESETS
 from engine.config import SPECS, get_spec
-from engine.kernels import ATTENTION_KERNELS, apply_gemm_mode_
+from engine.kernels import ATTENTION_KERNELS
 from engine.media import Mp4Writer, read_audio
-from engine.realtime import RealtimeCharacter, RemoteSteps
-from engine.session import EngineSession
-from engine.weights import ASSETS, load_engine, pick_device, sha256_of
+from engine.options import EngineOptions
+from engine.weights import ASSETS, pick_device, sha256_of
 
 
 GREETING = ASSETS / "hello.wav"  # said when no --audio is given; lab/eval_speech.py made it with the app's voice
@@ -48,73 +46,32 @@ def greeting() -> Path:
     return GREETING
 
 
-def make_session(model, args) -> EngineSession:
-    """The session the flags ask for, with one log line naming the paths it runs."""
-    apply_gemm_mode_(model, gemm_mode(args), fuse=next(model.parameters()).is_cuda)
-    cache = "reference" if args.attention == "reference" else "ring"
-    backend = BACKENDS[args.attention]
-    session = EngineSession(model, cache=cache, kv_dtype=args.kv_dtype, reset_every=args.reset_every, seed=args.seed,
-                            backend=backend, cuda_graph=args.cuda_graph, attention_options={"kernel": args.attention_kernel})
-    kernel = f" attention_kernel={session.cache.attention_kernel}" if session.backend == "triton" else ""
-    print(f"engine: cache={cache} backend={session.backend}{kernel} kv={args.kv_dtype if cache == 'ring' else 'float'} "
-          f"gemm={args.gemm} cuda_graph={args.cuda_graph} device={session.device}", file=sys.stderr)
-    return session
-
-
-def preset_reference(spec, codec, preset: str) -> torch.Tensor:
-    """The preset character's reference picture (engine.character), encoded by the codec."""
-    return codec.encode_reference(reference_image(preset, spec.image_size))
-
-
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def build_character(args, spec, device: torch.device):
-    """The character the flags ask for: in this process, under torchrun (this process is one
-    tensor-parallel rank), or over processes the engine starts itself (--gpus / --tp).
-    Returns (character, trained, close)."""
-    import torch.distributed as dist
+def engine_options(args) -> EngineOptions:
+    """The flags as engine options. --tp without --gpus runs CPU processes, whatever --device says."""
+    return EngineOptions(
+        name="generate", spec=args.spec, weights=args.weights, seed=args.seed,
+        device="cpu" if args.tp is not None and args.gpus is None else args.device,
+        cache="reference" if args.attention == "reference" else "ring", backend=BACKENDS[args.attention],
+        attention=args.attention_kernel, kv_dtype=args.kv_dtype, gemm=gemm_mode(args), cuda_graph=args.cuda_graph,
+        reset_every=args.reset_every, tp=args.tp or 1, processes=args.tp is not None, gpus=args.gpus,
+        decoder_gpu=args.decoder_gpu)
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.gpus is not None or args.tp:
-        from engine.distributed import DistributedEngine, Placement
 
-        if args.gpus is not None:
-            placement = Placement.plan(args.gpus, args.decoder_gpu, visible=torch.cuda.device_count(), n_heads=spec.n_heads, mlp_hidden=spec.mlp_hidden)
-        else:
-            placement = Placement(cpu_ranks=args.tp)
-        session_kwargs = dict(cache="reference" if args.attention == "reference" else "ring", kv_dtype=args.kv_dtype,
-                              reset_every=args.reset_every, backend=BACKENDS[args.attention], cuda_graph=args.cuda_graph,
-                              attention_options={"kernel": args.attention_kernel})
-        engine = DistributedEngine(spec, placement, weights=args.weights, seed=args.seed, session=session_kwargs,
-                                   gemm=gemm_mode(args))
-        _, codec, trained = load_engine(spec, weights=args.weights, seed=args.seed)
-        steps = RemoteSteps(engine)
-        steps.start(preset_reference(spec, codec, args.preset))
-        print(f"engine: {placement.tp} diffusion process(es) on {list(placement.diffusion) or 'cpu'}, "
-              f"decoders on {list(placement.decoders) or 'the first diffusion device'}", file=sys.stderr)
-        return RealtimeCharacter(steps=steps, lookahead=1), trained, engine.close
-    if world > 1:  # launched by torchrun: this process is one rank
-        from engine.distributed import _all_reduce
-        from engine.parallel import shard_model_
-
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if device.type == "cuda":
-            device = torch.device(f"cuda:{local}")
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, codec, trained = load_engine(spec, weights=args.weights, device="cpu", seed=args.seed)
-    if world > 1:
-        shard_model_(model, _rank(), world, reduce=_all_reduce)
-    model, codec = model.to(device=device, dtype=dtype), codec.to(device)
-    if not trained and _rank() == 0:
-        print(f"note: no trained weights for spec {spec.name}: random weights, so the picture is noise", file=sys.stderr)
-    session = make_session(model, args)
-    session.start(preset_reference(spec, codec, args.preset))
-    close = dist.destroy_process_group if world > 1 else (lambda: None)
-    return RealtimeCharacter(session, codec), trained, close
+def describe(built: Built, options: EngineOptions, args) -> str:
+    """One log line naming the paths the engine runs."""
+    if built.engine is not None:
+        p = built.engine.placement
+        return (f"engine: {p.tp} diffusion process(es) on {list(p.diffusion) or 'cpu'}, "
+                f"decoders on {list(p.decoders) or 'the first diffusion device'}")
+    session = built.character.session
+    kernel = f" attention_kernel={session.cache.attention_kernel}" if session.backend == "triton" else ""
+    kv = options.kv_dtype if options.cache == "ring" else "float"
+    return (f"engine: cache={options.cache} backend={session.backend}{kernel} kv={kv} "
+            f"gemm={args.gemm} cuda_graph={args.cuda_graph} device={session.device}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         pcm = read_audio(audio, max_seconds=args.max_seconds)
         if pcm.size == 0:
             raise ValueError(f"{audio} holds no audio samples")
-        character, trained, close = build_character(args, spec, device)
+        options = engine_options(args)
+        built = build_engine(options, spec, look=args.preset)
+        character, trained, close = built.character, built.trained, built.close
+        if not trained and built.engine is None and _rank() == 0:
+            print(f"note: no trained weights for spec {spec.name}: random weights, so the picture is noise", file=sys.stderr)
+        print(describe(built, options, args), file=sys.stderr)
         try:  # the engine (its processes, or the torchrun group) is closed whatever happens below
             character.push_audio(pcm, SAMPLE_RATE)
             n_frames = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)

@@ -20,14 +20,21 @@ from typing import Callable, TypeVar
 import torch
 
 from engine import fp8
+from engine.build import start_processes
 from engine.cache import ReferenceKVCache, RingKVCache, attention
 from engine.config import SPECS, ModelSpec, get_spec, shard_spec
-from lab.gpu_energy import EnergyMeter, EnergyWindow
 from engine.model import CausalVideoDiT
+from engine.options import EngineOptions, new_session
 from engine.parallel import shard_model_
+from engine.session import EngineSession
 from engine.weights import pick_device
+from lab.gpu_energy import EnergyMeter, EnergyWindow
 
 T = TypeVar("T")
+# The sessions the step benchmarks time: the serving path (ring FP8 cache, Triton FP8 attention, CUDA graph) and the
+# baseline (the plain path: float cache with read-time RoPE, SDPA)
+SERVED = EngineOptions(name="served", cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
+BASELINE = EngineOptions(name="baseline", cache="reference")
 
 
 def _sync(device: torch.device) -> None:
@@ -431,8 +438,6 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
     of those settings flipped, on the same weights. Where NVML is readable, each configuration's timed
     steps also give their energy (joules per step, mean watts, median SM clock) beside the power limit, and
     the serving path's breakdown parts (GEMMs, attention, cache upkeep) theirs, each held back to back alone."""
-    from engine.session import EngineSession
-
     full = get_spec(spec_name)
     rank_spec = shard_spec(full, tp)  # local heads for the cache; the residual width stays full
     dtype = torch.bfloat16
@@ -457,9 +462,8 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
         model = random_shard(full, tp, device, dtype, fp8_gemms=fast, branch_streams=branch_streams, fast_accum=fast_accum,
                              gemm_kernels=gemm_kernels)
         torch.cuda.reset_peak_memory_stats(device)
-        serving = lambda options=attention_options: EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton",
-                                                                  cuda_graph=True, attention_options=options)
-        session = serving() if fast else EngineSession(model, cache="reference")
+        serving = lambda options=attention_options: new_session(model, SERVED, attention=options)
+        session = serving() if fast else new_session(model, BASELINE)
         session.start(ref_latent)
         window, graph_times = EnergyWindow(meter), []
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=fast, energy=window, graph_times=graph_times)
@@ -622,7 +626,6 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
     import torch.distributed as dist
 
     from engine.distributed import use_symmetric_combine_
-    from engine.session import EngineSession
 
     device = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(device)
@@ -648,7 +651,7 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
                 block.reduce = all_reduce
             if comm.startswith("symmetric tiles"):
                 use_symmetric_combine_(model, full.frame_tokens, device, push=comm.endswith("push"))
-        session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
+        session = new_session(model, SERVED)
         session.start(ref_latent)
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=True,
                                      before_step=lambda: dist.barrier(device_ids=[rank]))
@@ -991,12 +994,10 @@ def bench_allreduce(device_type: str, world: int, repeats: int, chunks: int) -> 
 
 def bench_pipeline(spec_name: str, placement, steps: int, in_flight: int = 2) -> dict:
     """Step period with the decoder in its own process (and on its own GPU when placed so) vs diffusion time."""
-    from engine.distributed import DistributedEngine
-
     spec = get_spec(spec_name)
     feats = torch.zeros(spec.frames_per_latent, spec.n_mels)
     ref = torch.randn(spec.latent_channels, *spec.latent_grid)
-    with DistributedEngine(spec, placement, timeout=600) as engine:
+    with start_processes(EngineOptions(), spec, placement, timeout=600) as engine:
         engine.start(ref)
         for t in range(in_flight):
             engine.submit_step(feats, t * spec.frames_per_latent)

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import struct
 import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +39,8 @@ import torch
 
 from engine import character as ch
 from engine.audio import SAMPLE_RATE, frame_sample
-from engine.kernels import ATTENTION_KERNELS, GEMM_MODES, apply_gemm_mode_
+from engine.build import build_engine
+from engine.options import CONFIG_PRESETS, EngineOptions, check_options, options_device, parse_options
 from engine.weights import pick_device
 
 if TYPE_CHECKING:
@@ -164,16 +164,9 @@ def engine_frames(spec, pcm: np.ndarray, preset: str, *, weights: str | None = N
 
     Returns (generator, trained) so callers can stream long sessions without keeping frames.
     """
-    from engine.realtime import RealtimeCharacter
-    from engine.session import EngineSession
-    from engine.weights import load_engine
-
-    dev = torch.device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model, codec, trained = load_engine(spec, weights=weights, device=dev, dtype=dtype, seed=seed)
-    session = EngineSession(model, cache=cache, kv_dtype=kv_dtype, seed=seed)
-    session.start(codec.encode_reference(ch.reference_image(preset, spec.image_size)).to(dev, dtype))
-    return stream_frames(RealtimeCharacter(session, codec), spec, pcm), trained
+    options = EngineOptions(name="lipsync", weights=weights, seed=seed, device=device, cache=cache, kv_dtype=kv_dtype)
+    built = build_engine(options, spec, look=preset)
+    return stream_frames(built.character, spec, pcm, built.close), built.trained
 
 
 AUDIO_CHUNK = 2 * SAMPLE_RATE  # samples pushed at a time
@@ -229,7 +222,7 @@ def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str |
 
 def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ada", *, weights: str | None = None,
                         device: str = "cpu", cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0,
-                        max_offset: int = MAX_OFFSET, progress=None, config: "EngineConfig | None" = None) -> dict:
+                        max_offset: int = MAX_OFFSET, progress=None, config: "EngineOptions | None" = None) -> dict:
     """The clip looped (with 1 s of silence between repeats) for `minutes`; metric and picture per minute.
 
     With `config`, frames come from that engine configuration (sampling noise from `seed`, weights fixed).
@@ -283,7 +276,7 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
                           for k in ("score", "confidence", "brightness", "sharpness", "ref_diff")},
         "ceiling_first_minute": sync_scores(mouth_opening(rendered, preset), env[:n_ceiling], max_offset),
         "steps_per_second": math.ceil(n / spec.frames_per_latent) / seconds,
-        "device": str(config_device(config)) if config is not None else device,
+        "device": str(options_device(config)) if config is not None else device,
         "config": config.describe() if config is not None else f"cache={cache} kv={kv_dtype}",
         "position_resets": _resets(spec, math.ceil(n / spec.frames_per_latent), config, cache),
     }
@@ -323,250 +316,12 @@ def drift_verdict(report: dict, limits: dict | None = None) -> dict:
 
 
 # Engine configurations ---------------------------------------------------------------------
-# attention_p: how the ws kernel writes P: auto as the ring serves it, or the P settings (exp2, row_sum) of one of the
-# kernel's named option sets, over the ring's served ones (engine/kernels/fp8_attention_ws.py)
-ATTENTION_P = ("auto", "nearest", "log-linear")
-
-
-def attention_p_options(attention_p: str) -> dict:
-    """The ws kernel's options that make P as `attention_p` names it."""
-    if attention_p == "auto":
-        return {}
-    from engine.kernels.fp8_attention_ws import NEAREST_P_OPTIONS, SERVED_OPTIONS
-
-    named = {"nearest": NEAREST_P_OPTIONS, "log-linear": SERVED_OPTIONS}[attention_p]
-    return {key: named[key] for key in ("exp2", "row_sum")}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings a clip is made under: a named preset plus key=value overrides."""
-
-    name: str
-    cache: str = "ring"  # ring | reference
-    kv_dtype: str = "fp8"  # ring cache storage (the reference cache keeps float K/V)
-    backend: str = "torch"  # torch (SDPA over the ring) | triton (FP8 attention kernels)
-    attention: str = "auto"  # with backend triton: auto | triton | ws (the warp-specialised Hopper kernel)
-    # with attention ws: how P is written: as the ring serves it (auto: log-linear), or named: nearest (the e4m3 value
-    # nearest 2^x, row sums in FP32) or log-linear (2^x written as codes by one FMA each, row sums on the tensor cores)
-    attention_p: str = "auto"
-    gemm: str = "plain"  # plain | fp8 (block linears in FP8) | fp8-fast (and the tensor cores' fast accumulation)
-    cuda_graph: bool = False
-    tp: int = 1  # tensor-parallel degree: processes (gloo on CPU, one GPU each on CUDA)
-    fused_allreduce: bool = False  # MLP-out GEMM with its all-reduce overlapped (tp >= 2)
-    processes: bool = False  # diffusion and decoding in their own processes (always so at tp >= 2)
-    decoder_gpu: int | None = None  # the decoder's own GPU (processes on CUDA); None: it shares rank 0's
-    reset_every: int | None = None  # steps between position resets (None: the spec's)
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    adaptive_lead: bool = False  # real-time runs (soak): the playout lead adapted to recent steps, as the app has it
-
-    def describe(self) -> str:
-        kv = self.kv_dtype if self.cache == "ring" else "float"
-        extra = [f"tp={self.tp}"] if self.tp > 1 else (["processes"] if self.processes else [])
-        extra += ["fused_allreduce"] if self.fused_allreduce else []
-        extra += [f"decoder_gpu={self.decoder_gpu}"] if self.decoder_gpu is not None else []
-        extra += [f"attention={self.attention}"] if self.backend == "triton" else []
-        extra += [f"attention_p={self.attention_p}"] if self.attention_p != "auto" else []
-        extra += ["cuda_graph"] if self.cuda_graph else []
-        extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
-        extra += ["adaptive_lead"] if self.adaptive_lead else []
-        return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
-
-
-CONFIG_PRESETS: dict[str, dict] = {
-    "reference": dict(cache="reference", kv_dtype="fp32"),  # the plain path: float cache, RoPE at read time
-    "ring-fp32": dict(cache="ring", kv_dtype="fp32"),  # ring cache, RoPE at write time, position resets
-    "fp8-cache": dict(cache="ring", kv_dtype="fp8"),  # + FP8 K/V with static per-head scales
-    "fp8-attention": dict(cache="ring", kv_dtype="fp8", backend="triton"),  # + the Triton FP8 attention kernels
-    "fp8-gemm": dict(cache="reference", kv_dtype="fp32", gemm="fp8"),  # the plain path with FP8 block linears
-    "fp8-gemm-fast": dict(cache="reference", kv_dtype="fp32", gemm="fp8-fast", device="cuda"),  # + fast accumulation
-    "tp2": dict(cache="reference", kv_dtype="fp32", tp=2),
-    "tp3": dict(cache="reference", kv_dtype="fp32", tp=3),
-    "fused-allreduce": dict(cache="reference", kv_dtype="fp32", tp=2, fused_allreduce=True),
-    "cuda-graph": dict(cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True, device="cuda"),
-}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_WARNED: set[str] = set()  # configs already warned about, once per process
-
-
-def _config_value(key: str, value) -> object:
-    """A config value from text (key=value) or JSON, checked against the field's type."""
-    kinds = {f.name: f.type for f in fields(EngineConfig)}
-    if key not in kinds or key == "name":
-        known = ", ".join(k for k in kinds if k != "name")
-        raise ValueError(f"unknown config key {key!r}; known keys: {known}")
-    kind = kinds[key]
-    if "bool" in kind:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in _TRUE + _FALSE:
-            return str(value).lower() in _TRUE
-        raise ValueError(f"config key {key} must be true or false, got {value!r}")
-    if "int" in kind:
-        if value is None or (isinstance(value, str) and value.lower() == "none"):
-            if "None" in kind:
-                return None
-            raise ValueError(f"config key {key} needs a whole number")
-        if isinstance(value, bool) or not (isinstance(value, int) or str(value).lstrip("-").isdigit()):
-            raise ValueError(f"config key {key} must be a whole number, got {value!r}")
-        return int(value)
-    if not isinstance(value, str):
-        raise ValueError(f"config key {key} must be text, got {value!r}")
-    return value
-
-
-def parse_config(text: str) -> EngineConfig:
-    """`PRESET[,key=value...]` (e.g. `fp8-cache,reset_every=0`) or a JSON file {"preset": ..., key: value}."""
-    text = text.strip()
-    if text.endswith(".json") or Path(text).is_file():
-        path = Path(text)
-        if not path.is_file():
-            raise ValueError(f"config file not found: {path}")
-        try:
-            blob = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"config file {path} is not valid JSON: {e}") from None
-        if not isinstance(blob, dict):
-            raise ValueError(f"config file {path} must hold a JSON object, got {type(blob).__name__}")
-        blob = dict(blob)
-        preset = blob.pop("preset", None)
-        if not isinstance(preset, str):
-            raise ValueError(f"config file {path} needs \"preset\": one of {', '.join(CONFIG_PRESETS)}")
-        overrides = list(blob.items())
-        name = f"{path.name}"
-    else:
-        preset, *pairs = [p.strip() for p in text.split(",")]
-        overrides = []
-        for pair in pairs:
-            if "=" not in pair:
-                raise ValueError(f"config override {pair!r} is not key=value (in {text!r})")
-            key, value = (x.strip() for x in pair.split("=", 1))
-            overrides.append((key, value))
-        name = text
-    if preset not in CONFIG_PRESETS:
-        raise ValueError(f"unknown config preset {preset!r}; known presets: {', '.join(CONFIG_PRESETS)}")
-    settings = dict(CONFIG_PRESETS[preset])
-    for key, value in overrides:
-        settings[key] = _config_value(key, value)
-    config = EngineConfig(name=name, **settings)
-    check_config(config)
-    return config
-
-
-def check_config(config: EngineConfig, spec=None) -> None:
-    """Clear errors for settings that cannot run (here, or at all); a warning for slow ones."""
-    from engine.cache import KV_DTYPES
-    from engine.config import shard_spec
-    from engine.session import BACKENDS, CACHES
-
-    c = config
-    for key, value, choices in (("cache", c.cache, CACHES), ("kv_dtype", c.kv_dtype, tuple(KV_DTYPES)),
-                                ("backend", c.backend, BACKENDS), ("gemm", c.gemm, GEMM_MODES),
-                                ("attention", c.attention, ATTENTION_KERNELS), ("attention_p", c.attention_p, ATTENTION_P)):
-        if value not in choices:
-            raise ValueError(f"config {c.name}: {key} must be one of {', '.join(choices)}, got {value!r}")
-    if not (c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())):
-        raise ValueError(f"config {c.name}: device must be auto, cpu, cuda or cuda:N, got {c.device!r}")
-    gpu = torch.cuda.is_available()
-    on_cuda = c.device.startswith("cuda") or (c.device == "auto" and gpu)
-    if c.cuda_graph and not gpu:
-        raise ValueError(f"config {c.name}: cuda_graph needs a CUDA GPU; none is visible (a GPU-only fast path)")
-    if c.gemm == "fp8-fast" and not on_cuda:
-        raise ValueError(f"config {c.name}: gemm=fp8-fast needs a CUDA GPU (fast accumulation is a tensor-core mode)")
-    if c.device.startswith("cuda") and not gpu:
-        raise ValueError(f"config {c.name}: device {c.device} asked for, but no CUDA GPU is visible")
-    if (c.processes or c.tp > 1) and c.device.startswith("cuda:") and int(c.device[5:]) != 0:
-        raise ValueError(f"config {c.name}: the engine's own processes take GPUs 0..{max(c.tp, 1) - 1}, not {c.device} "
-                         "(pick the GPUs with CUDA_VISIBLE_DEVICES)")
-    if c.decoder_gpu is not None:
-        if not (c.processes or c.tp > 1) or not on_cuda:
-            raise ValueError(f"config {c.name}: decoder_gpu needs the engine's own processes on CUDA (processes=true or tp >= 2)")
-        if not 0 <= c.decoder_gpu < torch.cuda.device_count():
-            raise ValueError(f"config {c.name}: decoder_gpu {c.decoder_gpu} is not visible ({torch.cuda.device_count()} GPU(s))")
-        if c.decoder_gpu < c.tp:
-            raise ValueError(f"config {c.name}: decoder_gpu {c.decoder_gpu} is a diffusion GPU (0..{c.tp - 1})")
-    if c.cache == "reference" and c.backend == "triton":
-        raise ValueError(f"config {c.name}: the triton backend needs cache=ring")
-    if c.cuda_graph:
-        if c.backend != "triton" or not on_cuda:
-            raise ValueError(f"config {c.name}: cuda_graph needs backend=triton on a CUDA device")
-    if c.attention != "auto" and c.backend != "triton":
-        raise ValueError(f"config {c.name}: attention={c.attention} picks a kernel of backend=triton, not of backend={c.backend}")
-    if c.attention_p != "auto" and c.attention != "ws":
-        raise ValueError(f"config {c.name}: attention_p={c.attention_p} is an option of the ws kernel: add attention=ws")
-    if c.attention == "ws" and not on_cuda:
-        raise ValueError(f"config {c.name}: attention=ws (the warp-specialised Hopper kernel) needs a CUDA GPU")
-    if c.backend == "triton" and not on_cuda:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"config {c.name}: backend=triton on the CPU runs only under Triton's interpreter "
-                             "(set TRITON_INTERPRET=1; slow)")
-        if c.name not in _WARNED:
-            _WARNED.add(c.name)
-            print(f"warning: config {c.name}: Triton kernels under the interpreter on the CPU: correct but very slow",
-                  file=sys.stderr)
-    if c.tp < 1:
-        raise ValueError(f"config {c.name}: tp must be >= 1, got {c.tp}")
-    if c.fused_allreduce and c.tp < 2:
-        raise ValueError(f"config {c.name}: fused_allreduce needs tp >= 2")
-    if c.tp > 1 and on_cuda and torch.cuda.device_count() < c.tp:
-        raise ValueError(f"config {c.name}: tp={c.tp} needs {c.tp} GPUs, {torch.cuda.device_count()} visible")
-    if c.reset_every is not None and c.reset_every < 0:
-        raise ValueError(f"config {c.name}: reset_every must be >= 0 (0: never), got {c.reset_every}")
-    if spec is not None and c.tp > 1:
-        try:
-            shard_spec(spec, c.tp)
-        except ValueError as e:
-            raise ValueError(f"config {c.name}: {e}") from None
-
-
-def config_device(config: EngineConfig) -> torch.device:
-    return pick_device(config.device)
-
-
-def open_character(config: EngineConfig, spec, look: str, *, noise_seed: int, weights: str | None = None,
-                   weights_seed: int = 0, playout=None):
-    """A started `RealtimeCharacter` under `config`: weights from `weights_seed` (or the checkpoint),
-    sampling noise from `noise_seed`. Returns (character, trained, close)."""
-    from engine.realtime import RealtimeCharacter, RemoteSteps
-    from engine.session import EngineSession
-    from engine.weights import load_engine
-
-    check_config(config, spec)
-    device = config_device(config)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    session_kwargs = dict(cache=config.cache, kv_dtype=config.kv_dtype, backend=config.backend,
-                          reset_every=config.reset_every, cuda_graph=config.cuda_graph,
-                          attention_options={"kernel": config.attention, **attention_p_options(config.attention_p)})
-    if config.tp > 1 or config.processes:
-        from engine.distributed import DistributedEngine, Placement
-
-        decoders = () if config.decoder_gpu is None else (config.decoder_gpu,)
-        placement = (Placement(tuple(range(config.tp)), decoders) if device.type == "cuda" else Placement(cpu_ranks=config.tp))
-        engine = DistributedEngine(spec, placement, weights=weights, seed=weights_seed,
-                                   session={**session_kwargs, "seed": noise_seed}, overlap=config.fused_allreduce,
-                                   gemm=config.gemm)
-        try:
-            _, codec, trained = load_engine(spec, weights=weights, seed=weights_seed)
-            steps = RemoteSteps(engine)
-            steps.start(codec.encode_reference(ch.reference_image(look, spec.image_size)))
-        except BaseException:
-            engine.close()
-            raise
-        return (RealtimeCharacter(steps=steps, lookahead=1, playout=playout, adaptive_lead=config.adaptive_lead), trained,
-                engine.close)
-    model, codec, trained = load_engine(spec, weights=weights, device=device, dtype=dtype, seed=weights_seed)
-    apply_gemm_mode_(model, config.gemm, fuse=device.type == "cuda")
-    session = EngineSession(model, seed=noise_seed, **session_kwargs)
-    session.start(codec.encode_reference(ch.reference_image(look, spec.image_size)).to(device, dtype))
-    return RealtimeCharacter(session, codec, playout=playout, adaptive_lead=config.adaptive_lead), trained, (lambda: None)
-
-
-def config_frames(config: EngineConfig, spec, pcm: np.ndarray, look: str, *, noise_seed: int,
+def config_frames(config: EngineOptions, spec, pcm: np.ndarray, look: str, *, noise_seed: int,
                   weights: str | None = None, weights_seed: int = 0):
     """Frames for `pcm` under `config`, streamed: (generator of (first_frame, rgb (4, H, W, 3) uint8), trained)."""
-    character, trained, close = open_character(config, spec, look, noise_seed=noise_seed, weights=weights,
-                                               weights_seed=weights_seed)
-    return stream_frames(character, spec, pcm, close), trained
+    options = replace(config, weights=weights, seed=weights_seed, noise_seed=noise_seed)  # weights fixed, noise varied
+    built = build_engine(options, spec, look=look)
+    return stream_frames(built.character, spec, pcm, built.close), built.trained
 
 
 # Compare: a numerics change against the spread of reruns ------------------------------------
@@ -620,7 +375,7 @@ def default_audio_source() -> str:
     return "espeak" if shutil.which("espeak-ng") else "synth"
 
 
-def _clip_run(config: EngineConfig, spec, pcm: np.ndarray, look: str, noise_seed: int, weights, max_offset: int):
+def _clip_run(config: EngineOptions, spec, pcm: np.ndarray, look: str, noise_seed: int, weights, max_offset: int):
     n = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
     gen, trained = config_frames(config, spec, pcm, look, noise_seed=noise_seed, weights=weights)
     frames = torch.from_numpy(np.concatenate([rgb for _, rgb in gen])[:n])
@@ -628,7 +383,7 @@ def _clip_run(config: EngineConfig, spec, pcm: np.ndarray, look: str, noise_seed
     return frames, scores, trained
 
 
-def compare(spec, a: EngineConfig, bs: list[EngineConfig], *, clips: int, clip_seconds: float = 4.0, seed: int = 0,
+def compare(spec, a: EngineOptions, bs: list[EngineOptions], *, clips: int, clip_seconds: float = 4.0, seed: int = 0,
             source: str | None = None, weights: str | None = None, max_offset: int = MAX_OFFSET, progress=None) -> dict:
     """N clips (audio and noise seed per clip) under A, A' (A with fresh noise) and each B; lip-sync scores,
     the mean B-A difference with its 95% interval next to A'-A, and a verdict per B."""
@@ -637,7 +392,7 @@ def compare(spec, a: EngineConfig, bs: list[EngineConfig], *, clips: int, clip_s
     if clip_seconds * spec.fps < 2 * max_offset + 8:
         raise ValueError(f"--clip-seconds {clip_seconds:g} is too short: the metric needs {(2 * max_offset + 8) / spec.fps:.2f} s")
     for config in (a, *bs):
-        check_config(config, spec)
+        check_options(config, spec)
     source = source or default_audio_source()
     looks = list(ch.PRESETS)
     runs = {"A": a, "A'": a, **{f"B{i}": b for i, b in enumerate(bs)}}
@@ -873,7 +628,7 @@ def _compare_cli(args) -> dict:
     from engine.config import get_spec
 
     spec = get_spec(args.spec)
-    a, bs = parse_config(args.a), [parse_config(b) for b in args.b]
+    a, bs = parse_options(args.a), [parse_options(b) for b in args.b]
     return compare(spec, a, bs, clips=args.clips, clip_seconds=args.clip_seconds, seed=args.seed,
                    source=args.audio_source, weights=args.weights, max_offset=args.max_offset, progress=_progress)
 
@@ -882,7 +637,7 @@ def _drift_cli(args) -> dict:
     from engine.config import get_spec
 
     spec = get_spec(args.spec)
-    config = parse_config(args.config)
+    config = parse_options(args.config)
     ch.get_look(args.preset)
     if args.minutes <= 0:
         raise ValueError(f"--minutes must be positive, got {args.minutes:g}")

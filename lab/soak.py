@@ -28,14 +28,17 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.audio import SAMPLE_RATE
-from lab.faults import KILLS, Fault, StepFaults, corrupt_audio, parse_fault
+from engine.build import build_engine
+from engine.options import EngineOptions
 from engine.playout import PlayoutBuffer
+from lab.faults import KILLS, Fault, StepFaults, corrupt_audio, parse_fault
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -145,7 +148,8 @@ class LiveCharacter:
 
     def start(self) -> None:
         self.playout = PlayoutBuffer(fps=self.fps)
-        self.character, self.trained, self.close = self.open_character(self.playout)
+        built = self.open_character(self.playout)
+        self.character, self.trained, self.close = built.character, built.trained, built.close
         self.character.on_step = lambda step, s: self.step_times.append(s)
         self.character.before_step = self.step_faults
         self.step_faults.step_seconds = self.character.step_seconds
@@ -169,12 +173,12 @@ class LiveCharacter:
         return self.underruns_before + (self.playout.stats.underruns if self.character is not None else 0)
 
 
-def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: float = 3.0, record: str | None = None,
+def soak(spec, config: EngineOptions, *, seconds: float, speech_s: float = 4.0, silence_s: float = 3.0, record: str | None = None,
          trace_path: str | None = None, faults: list[Fault] | None = None, seed: int = 0, weights: str | None = None,
          look: str = "ada", source: str | None = None, restarts: int = 0, progress=None) -> dict:
     """The session for `seconds`; an engine failure ends it cleanly, or, up to `restarts` times, a new
     engine takes over (turns go on; the gap shows as underruns and seconds below 24 fps)."""
-    from lab.quality import default_audio_source, open_character, speech_clip
+    from lab.quality import default_audio_source, speech_clip
 
     faults = sorted(faults or [], key=lambda f: f.at)
     if seconds <= 0:
@@ -183,7 +187,7 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
         raise ValueError(f"--speech must be > 0 and --silence >= 0, got {speech_s:g} and {silence_s:g}")
     if restarts < 0:
         raise ValueError(f"--restarts must be >= 0, got {restarts}")
-    if any(f.kind in KILLS for f in faults) and config.tp < 2 and not config.processes:
+    if any(f.kind in KILLS for f in faults) and not config.own_processes:
         raise ValueError("kill faults need the engine's own processes: use a config with processes=true or tp >= 2")
     for f in faults:
         if f.kind == "kill-rank" and int(f.arg) >= max(config.tp, 1):
@@ -193,7 +197,7 @@ def soak(spec, config, *, seconds: float, speech_s: float = 4.0, silence_s: floa
     turns = [speech_clip(seed + i, speech_s, source) for i in range(4)]  # cycled
 
     def opener(playout):
-        return open_character(config, spec, look, noise_seed=seed, weights=weights, playout=playout)
+        return build_engine(replace(config, weights=weights, noise_seed=seed), spec, look=look, playout=playout)
 
     step_times: list[float] = []
     step_faults = StepFaults([])
@@ -405,7 +409,7 @@ def _report(spec, config, trained, audio_source, seconds, wall, samples, per_sec
 def main(argv: list[str] | None = None) -> int:
     from engine import character as ch
     from engine.config import SPECS, get_spec
-    from lab.quality import CONFIG_PRESETS, parse_config
+    from engine.options import CONFIG_PRESETS, parse_options
 
     p = argparse.ArgumentParser(prog="python -m lab.soak", description=__doc__.strip().splitlines()[0])
     p.add_argument("--spec", default="demo", choices=sorted(SPECS))
@@ -426,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         spec = get_spec(args.spec)
-        config = parse_config(args.config)
+        config = parse_options(args.config)
         ch.get_look(args.preset)
         faults = [parse_fault(f) for f in args.fault]
         for path in (args.record, args.trace):

@@ -284,18 +284,20 @@ def test_generate_closes_its_engine_when_writing_fails_or_is_interrupted(tmp_pat
     from engine.media import Mp4Writer
 
     closed, written = [], []
-    real_build = engine.generate.build_character
+    real_build = engine.generate.build_engine
 
     def build(*args, **kwargs):
-        character, trained, close = real_build(*args, **kwargs)
-        return character, trained, lambda: closed.append(close())
+        built = real_build(*args, **kwargs)
+        close = built.close
+        built.close = lambda: closed.append(close())
+        return built
 
     def write(self, rgb, pcm):
         if len(written) == 8:
             raise failure
         written.append(1)
 
-    monkeypatch.setattr(engine.generate, "build_character", build)
+    monkeypatch.setattr(engine.generate, "build_engine", build)
     monkeypatch.setattr(Mp4Writer, "write", write)
     wav = tmp_path / "a.wav"
     write_wav(wav, 1.0)

@@ -16,6 +16,7 @@ from engine.config import get_spec
 from engine.codec import StandInCodec
 from engine.distributed import DistributedEngine, OverlappedCombine, Placement, free_port
 from engine.model import build_model
+from engine.options import EngineOptions
 from engine.parallel import shard_model_
 from engine.session import EngineSession
 from tests.helpers import TINY, reference_latent, run_script
@@ -55,7 +56,7 @@ def expected():
 
 @pytest.mark.parametrize("tp, overlap", [(1, False), (2, False), (3, False), (2, True)])
 def test_tensor_parallel_frames_equal_one_process(expected, tp, overlap):
-    with DistributedEngine(SPEC6, Placement(cpu_ranks=tp), overlap=overlap, timeout=120) as engine:
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=tp), EngineOptions(fused_allreduce=overlap), timeout=120) as engine:
         order, frames = engine_frames(engine)
     assert order == list(range(STEPS))
     assert (frames.int() - expected.int()).abs().max().item() <= 1
@@ -70,7 +71,7 @@ def test_fp8_linears_in_tensor_parallel_ranks_match_one_process(expected):
     from engine.kernels.fp8_linear import quantize_linears_
 
     one = single_process_frames(quantize_linears_(build_model(SPEC6, seed=0), fuse=False)).float()
-    with DistributedEngine(SPEC6, Placement(cpu_ranks=2), gemm="fp8", timeout=120) as engine:
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=2), EngineOptions(gemm="fp8"), timeout=120) as engine:
         _, two = engine_frames(engine)
     diff = (two.float() - one).abs()
     assert diff.mean().item() <= 1.0 and diff.max().item() <= 16, (diff.mean().item(), diff.max().item())
@@ -87,7 +88,7 @@ def test_several_decoders_deliver_every_step_in_order(expected):
 def test_a_dead_rank_gives_a_clear_error_and_a_new_engine_starts():
     engine = DistributedEngine(SPEC6, Placement(cpu_ranks=2), timeout=60)
     engine.start(reference_latent(SPEC6))
-    engine.inject_failure(1)
+    engine.kill_process("talkloop-diffusion-1")  # a rank dies mid-session
     with pytest.raises(RuntimeError, match="died|failed|no answer"):
         for t in range(3):
             engine.submit_step(features(t), t * 4)
@@ -253,7 +254,7 @@ GPU_SPEC = TINY.with_(name="tiny-gpu", dim=256, n_heads=4, mlp_hidden=512, laten
 
 
 def gpu_engine_frames(placement: Placement, overlap: bool = False) -> torch.Tensor:
-    with DistributedEngine(GPU_SPEC, placement, overlap=overlap, timeout=300) as engine:
+    with DistributedEngine(GPU_SPEC, placement, EngineOptions(fused_allreduce=overlap), timeout=300) as engine:
         engine.start(reference_latent(GPU_SPEC))
         for t in range(STEPS):
             engine.submit_step(torch.randn(4, GPU_SPEC.n_mels, generator=torch.Generator().manual_seed(t)), t * 4)

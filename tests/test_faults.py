@@ -11,7 +11,7 @@ from engine.audio import SAMPLE_RATE
 from engine.decoder import StandInCodec
 from lab.faults import FAULT_KINDS, corrupt_audio, parse_fault
 from engine.model import build_model
-from lab.quality import parse_config
+from engine.options import parse_options
 from engine.realtime import RealtimeCharacter
 from engine.session import EngineSession
 from lab.soak import main, soak
@@ -44,7 +44,7 @@ def in_process_faults(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
     mp4, trace = d / "f.mp4", d / "f.jsonl"
     faults = [parse_fault("slow-step@1.5:10"), parse_fault("exhaust-buffer@3:1.0"), parse_fault("corrupt-audio@5.5")]
-    report = soak(TINY, parse_config("fp8-cache"), seconds=7.5, speech_s=2.0, silence_s=1.0, record=str(mp4),
+    report = soak(TINY, parse_options("fp8-cache"), seconds=7.5, speech_s=2.0, silence_s=1.0, record=str(mp4),
                   trace_path=str(trace), faults=faults, source="synth")
     return report, {f["kind"]: f for f in report["faults"]}, mp4, trace
 

@@ -115,26 +115,19 @@ def test_contact_sheet_png(tmp_path, speech, capsys):
 
 # Engine configurations and compare ----------------------------------------------------------
 from engine.config import get_spec  # noqa: E402
-from lab.quality import (  # noqa: E402
-    CONFIG_PRESETS,
-    compare,
-    drift_verdict,
-    mean_ci95,
-    parse_config,
-    t_quantile_975,
-    verdict,
-)
+from engine.options import CONFIG_PRESETS, attention_p_options, parse_options  # noqa: E402
+from lab.quality import compare, drift_verdict, mean_ci95, t_quantile_975, verdict  # noqa: E402
 
 
 def test_configs_are_presets_with_overrides_or_json_files(tmp_path):
-    c = parse_config("fp8-cache,reset_every=0,kv_dtype=bf16")
+    c = parse_options("fp8-cache,reset_every=0,kv_dtype=bf16")
     assert (c.cache, c.kv_dtype, c.reset_every, c.tp) == ("ring", "bf16", 0, 1)
-    assert parse_config("reference").cache == "reference"
-    assert parse_config("tp2,fused_allreduce=yes").fused_allreduce is True
-    assert parse_config("fp8-cache,adaptive_lead=true").adaptive_lead is True and not parse_config("fp8-cache").adaptive_lead
+    assert parse_options("reference").cache == "reference"
+    assert parse_options("tp2,fused_allreduce=yes").fused_allreduce is True
+    assert parse_options("fp8-cache,adaptive_lead=true").adaptive_lead is True and not parse_options("fp8-cache").adaptive_lead
     f = tmp_path / "b.json"
     f.write_text(json.dumps({"preset": "ring-fp32", "reset_every": 3}))
-    assert (parse_config(str(f)).kv_dtype, parse_config(str(f)).reset_every) == ("fp32", 3)
+    assert (parse_options(str(f)).kv_dtype, parse_options(str(f)).reset_every) == ("fp32", 3)
     assert set(CONFIG_PRESETS) >= {"reference", "ring-fp32", "fp8-cache", "fp8-attention", "tp2", "tp3", "cuda-graph"}
 
 
@@ -152,7 +145,7 @@ def test_configs_are_presets_with_overrides_or_json_files(tmp_path):
 ])
 def test_bad_configs_are_named(text, message):
     with pytest.raises(ValueError, match=message):
-        parse_config(text)
+        parse_options(text)
 
 
 def test_engine_processes_on_a_gpu_other_than_0_are_refused(monkeypatch):
@@ -160,37 +153,35 @@ def test_engine_processes_on_a_gpu_other_than_0_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match="take GPUs 0..0, not cuda:1"):
-        parse_config("fp8-cache,processes=true,device=cuda:1")
-    assert parse_config("fp8-cache,device=cuda:1").device == "cuda:1"  # in-process: that GPU
+        parse_options("fp8-cache,processes=true,device=cuda:1")
+    assert parse_options("fp8-cache,device=cuda:1").device == "cuda:1"  # in-process: that GPU
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_cuda_graph_on_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA GPU"):
-        parse_config("cuda-graph")
+        parse_options("cuda-graph")
 
 
 def test_fast_accumulation_on_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="gemm=fp8-fast needs a CUDA GPU"):
-        parse_config("fp8-gemm-fast,device=cpu")
+        parse_options("fp8-gemm-fast,device=cpu")
 
 
 def test_attention_kernel_choices_are_checked():
     with pytest.raises(ValueError, match="attention=ws .* needs a CUDA GPU"):
-        parse_config("fp8-attention,attention=ws,device=cpu")
+        parse_options("fp8-attention,attention=ws,device=cpu")
     with pytest.raises(ValueError, match="attention=triton picks a kernel of backend=triton, not of backend=torch"):
-        parse_config("fp8-cache,attention=triton")
-    assert "attention=auto" in parse_config("fp8-attention").describe()  # results name the rule that picked the kernel
+        parse_options("fp8-cache,attention=triton")
+    assert "attention=auto" in parse_options("fp8-attention").describe()  # results name the rule that picked the kernel
     with pytest.raises(ValueError, match="attention must be one of auto, triton, ws, got 'flash'"):
-        parse_config("fp8-attention,attention=flash")
+        parse_options("fp8-attention,attention=flash")
     with pytest.raises(ValueError, match="attention_p must be one of auto, nearest, log-linear, got 'linear'"):
-        parse_config("fp8-attention,attention=ws,attention_p=linear")
+        parse_options("fp8-attention,attention=ws,attention_p=linear")
     with pytest.raises(ValueError, match="attention_p=log-linear is an option of the ws kernel: add attention=ws"):
-        parse_config("fp8-attention,attention=triton,attention_p=log-linear")
+        parse_options("fp8-attention,attention=triton,attention_p=log-linear")
     with pytest.raises(ValueError, match="attention_p=nearest is an option of the ws kernel: add attention=ws"):
-        parse_config("fp8-attention,attention_p=nearest")
-    from lab.quality import attention_p_options
-
+        parse_options("fp8-attention,attention_p=nearest")
     assert attention_p_options("auto") == {}  # the ring's served options
     assert attention_p_options("nearest") == {"exp2": "mufu", "row_sum": "fma"}
     assert attention_p_options("log-linear") == {"exp2": "e4m3_bits", "row_sum": "tensor"}
@@ -200,17 +191,17 @@ def test_broken_config_files_are_named(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"preset": "fp8-cache", ')
     with pytest.raises(ValueError, match="broken.json is not valid JSON"):
-        parse_config(str(broken))
+        parse_options(str(broken))
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
     with pytest.raises(ValueError, match="must hold a JSON object"):
-        parse_config(str(listed))
+        parse_options(str(listed))
     nameless = tmp_path / "nameless.json"
     nameless.write_text('{"kv_dtype": "fp8"}')
     with pytest.raises(ValueError, match="needs \"preset\""):
-        parse_config(str(nameless))
+        parse_options(str(nameless))
     with pytest.raises(ValueError, match="config file not found"):
-        parse_config(str(tmp_path / "absent.json"))
+        parse_options(str(tmp_path / "absent.json"))
 
 
 def test_interval_and_verdict():
@@ -229,8 +220,8 @@ def test_interval_and_verdict():
 
 def test_compare_runs_a_twice_and_each_b(capsys):
     spec = get_spec("tiny")
-    a = parse_config("reference")
-    report = compare(spec, a, [parse_config("ring-fp32"), parse_config("tp2")], clips=2, clip_seconds=2.0,
+    a = parse_options("reference")
+    report = compare(spec, a, [parse_options("ring-fp32"), parse_options("tp2")], clips=2, clip_seconds=2.0,
                      source="synth", max_offset=8)
     assert report["clips"] == 2 and len(report["per_clip"]) == 2 and "fresh sampling-noise seed" in report["rerun_definition"]
     ring, tp2 = report["comparisons"]
@@ -329,7 +320,7 @@ def test_frames_push_audio_in_chunks_yet_match_one_push(monkeypatch):
     gen, _ = engine_frames(spec, pcm, "ada", seed=0)
     from_engine = np.concatenate([rgb for _, rgb in gen])
     assert len(pushed) > 1 and max(pushed) <= 2 * SAMPLE_RATE and sum(pushed) == pcm.size
-    gen, _ = config_frames(parse_config("fp8-cache"), spec, pcm, "ada", noise_seed=0)
+    gen, _ = config_frames(parse_options("fp8-cache"), spec, pcm, "ada", noise_seed=0)
     from_config = np.concatenate([rgb for _, rgb in gen])
     assert whole.shape == (168, 32, 32, 3)
     assert np.array_equal(from_engine, whole) and np.array_equal(from_config, whole)
@@ -337,18 +328,18 @@ def test_frames_push_audio_in_chunks_yet_match_one_push(monkeypatch):
 
 def test_lipsync_steps_per_second_counts_stepping_only(speech, monkeypatch):
     """Loading the engine is not stepping: a load that takes 1000 s leaves the rate unchanged."""
-    import engine.weights
+    import engine.build
     from lab import quality
 
     offset = [0.0]
-    real_clock, real_load = quality.time.perf_counter, engine.weights.load_engine
+    real_clock, real_load = quality.time.perf_counter, engine.build.load_engine
 
     def slow_load(*args, **kwargs):
         offset[0] += 1000.0
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(quality, "time", SimpleNamespace(perf_counter=lambda: real_clock() + offset[0]))
-    monkeypatch.setattr(engine.weights, "load_engine", slow_load)
+    monkeypatch.setattr(engine.build, "load_engine", slow_load)
     report = quality.lipsync_report(get_spec("tiny"), speech[: 3 * SAMPLE_RATE], max_offset=8)
     assert offset[0] == 1000.0 and report["steps_per_second"] > 18 / 100  # 18 steps, well under 100 s
 

@@ -11,7 +11,7 @@ import av
 import pytest
 
 from engine.config import get_spec
-from lab.quality import parse_config
+from engine.options import parse_options
 from lab.soak import growth_verdict, main, slope_per_minute, soak
 
 TINY = get_spec("tiny")
@@ -28,7 +28,7 @@ def trace_lines(path) -> list[dict]:
 
 def test_short_soak_reports_and_records_everything(tmp_path):
     mp4, trace = tmp_path / "soak.mp4", tmp_path / "soak.jsonl"
-    r = soak(TINY, parse_config("fp8-cache"), seconds=6.0, speech_s=2.0, silence_s=1.0, record=str(mp4),
+    r = soak(TINY, parse_options("fp8-cache"), seconds=6.0, speech_s=2.0, silence_s=1.0, record=str(mp4),
              trace_path=str(trace), source="synth")
     assert r["ended"] == "ran its time" and r["error"] is None and r["audio_source"] == "synth"
     assert r["frames_recorded"] == r["frames_released"] == mp4_frames(mp4) > 0
@@ -133,14 +133,14 @@ def test_a_stall_that_lasts_to_the_end_counts_in_the_seconds_below_24_fps(tmp_pa
     at the last frame played, so the run read as all on time)."""
     from lab.faults import parse_fault
 
-    r = soak(TINY, parse_config("fp8-cache"), seconds=6.0, speech_s=2.0, silence_s=1.0, source="synth",
+    r = soak(TINY, parse_options("fp8-cache"), seconds=6.0, speech_s=2.0, silence_s=1.0, source="synth",
              faults=[parse_fault("exhaust-buffer@2:6")])
     assert r["ended"] == "ran its time"
     assert r["whole_seconds"] >= 4 and r["seconds_below_24fps"] >= 3, r
 
 
 def test_a_trace_that_cannot_be_written_costs_the_trace_not_the_soak():
-    r = soak(TINY, parse_config("fp8-cache"), seconds=2.0, speech_s=1.0, silence_s=1.0, trace_path="/dev/full",
+    r = soak(TINY, parse_options("fp8-cache"), seconds=2.0, speech_s=1.0, silence_s=1.0, trace_path="/dev/full",
              source="synth")
     assert r["ended"] == "ran its time" and r["frames_released"] > 0
     assert "No space left on device" in r["trace_error"]
@@ -160,7 +160,7 @@ def test_a_recording_that_fails_ends_the_session_with_its_report_and_trace(tmp_p
 
     monkeypatch.setattr(Mp4Writer, "write", write_until_the_disk_is_full)
     mp4, trace = tmp_path / "soak.mp4", tmp_path / "soak.jsonl"
-    r = soak(TINY, parse_config("fp8-cache"), seconds=8.0, speech_s=2.0, silence_s=1.0, record=str(mp4),
+    r = soak(TINY, parse_options("fp8-cache"), seconds=8.0, speech_s=2.0, silence_s=1.0, record=str(mp4),
              trace_path=str(trace), source="synth")
     assert r["ended"] == "recording failed" and "No space left on device" in r["error"]
     assert mp4_frames(mp4) == 30  # the fragments written before stay playable
