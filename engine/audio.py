@@ -19,9 +19,7 @@ import wave
 from pathlib import Path
 from typing import BinaryIO
 
-import av
 import numpy as np
-import soxr
 
 SAMPLE_RATE = 16_000
 # Longest input the one-shot paths accept; a live loop bounds each turn instead.
@@ -48,6 +46,8 @@ def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     """Resample a whole mono signal to float32 (libsoxr HQ); output length is round(n * to / from)."""
     if from_rate == to_rate:
         return samples.astype(np.float32, copy=False)
+    import soxr  # here and in StreamResampler: only a change of rate needs it, so 16 kHz hosts run without it
+
     return soxr.resample(samples.astype(np.float32, copy=False), from_rate, to_rate, quality="HQ")
 
 
@@ -61,7 +61,11 @@ class StreamResampler:
     def __init__(self, from_rate: int, to_rate: int) -> None:
         self.from_rate = from_rate
         self.to_rate = to_rate
-        self._stream = None if from_rate == to_rate else soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality="HQ")
+        self._stream = None
+        if from_rate != to_rate:
+            import soxr
+
+            self._stream = soxr.ResampleStream(from_rate, to_rate, 1, dtype="float32", quality="HQ")
 
     def process(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
         samples = samples.astype(np.float32, copy=False)
@@ -287,6 +291,8 @@ def read_audio(path: str | Path, max_seconds: float | None = None) -> np.ndarray
 
     FFmpeg decodes and mixes down to mono at the file's own rate; `resample` brings it to 16 kHz, so every
     path into the engine and the voice agent shares one resampler."""
+    import av  # FFmpeg, for compressed files only: WAV readers and the served path run without it
+
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"audio file not found: {path}")

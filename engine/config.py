@@ -127,6 +127,13 @@ SPECS: dict[str, ModelSpec] = {
         latent_grid=(16, 16), patch=1, audio_tokens=4, reference_grid=(16, 16), sink_slots=256,
         window_frames=6, image_size=(256, 256),
     ),
+    # The shipped character for CPUs: 64 video tokens a latent frame, a narrower DiT and 128x128 frames, about
+    # a seventh of the demo's work a step, so that a few cores hold real time.
+    "demo-cpu": ModelSpec(
+        name="demo-cpu", dim=256, n_heads=4, n_blocks=6, mlp_hidden=640, latent_channels=16,
+        latent_grid=(8, 8), patch=1, audio_tokens=4, reference_grid=(8, 8), sink_slots=64,
+        window_frames=6, image_size=(128, 128),
+    ),
     # The seed's production shape, random weights, for benchmarks: 60 blocks, 4 passes,
     # 748 video tokens (704x1088 video, 16x VAE, 2x2 patches) + 9 audio tokens = 757 new
     # tokens a pass; 489 sink slots + 7 ring frames x 757 = 5,788 slots read per call.
