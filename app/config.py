@@ -35,7 +35,7 @@ class AppConfig:
     port: int = setting(7860, "port to serve on")
     # Engine: the names of engine.options.EngineOptions, which app/engine_host.py maps them onto
     device: str = setting("auto", "engine and voice models device")
-    spec: str = setting("demo", "engine model spec")
+    spec: str = setting("auto", "engine model spec; auto: the largest shipped one that keeps real time here, measured at start")
     weights: str | None = setting(None, "engine checkpoint (default: the one shipped for the spec)")
     gpus: str | None = setting(None, "placement: diffusion GPUs, one process each, e.g. 0,1,2")
     decoder_gpu: str | None = setting(None, "placement: GPU(s) that only decode, e.g. 3")
@@ -78,6 +78,8 @@ class AppConfig:
                                                 "seconds; a complete one ends then")
     max_endpointing_delay: float = setting(1.6, "smart_turn: silence that ends a turn the model finds incomplete, "
                                                 "in seconds")
+    statement_endpointing_delay: float = setting(0.8, "smart_turn: silence that ends a complete turn whose words are "
+                                                      "not a question, in seconds")
     check_words: bool = setting(True, "smart_turn: a turn the model finds complete waits while its words so far "
                                       "cannot end it (a trailing 'and', a lone 'If ...' clause)")
     preemptive_generation: bool = setting(True, "start the reply at the user's pause, heard only once the turn "
@@ -96,7 +98,7 @@ class AppConfig:
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be {_one_of(allowed)}, got {getattr(self, key)!r}")
         checks = [
-            (self.spec in SPECS, f"unknown spec {self.spec!r}; known: {', '.join(SPECS)}"),
+            (self.spec in SPECS or self.spec == "auto", f"unknown spec {self.spec!r}; known: auto, {', '.join(SPECS)}"),
             (self.preset in PRESETS, f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}"),
             (1 <= self.port <= 65535, f"port must be 1..65535, got {self.port}"),
             (1 <= self.prebuffer <= self.max_lead, f"need 1 <= prebuffer <= max_lead, got {self.prebuffer}, {self.max_lead}"),
@@ -108,6 +110,9 @@ class AppConfig:
             (0 < self.min_endpointing_delay < self.max_endpointing_delay,
              "need 0 < min_endpointing_delay < max_endpointing_delay, got "
              f"{self.min_endpointing_delay}, {self.max_endpointing_delay}"),
+            (self.min_endpointing_delay <= self.statement_endpointing_delay < self.max_endpointing_delay,
+             "need min_endpointing_delay <= statement_endpointing_delay < max_endpointing_delay, got "
+             f"{self.min_endpointing_delay}, {self.statement_endpointing_delay}, {self.max_endpointing_delay}"),
         ]
         for ok, message in checks:
             if not ok:

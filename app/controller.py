@@ -57,7 +57,8 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
     loop = VoiceLoopConfig(
         vad=VADConfig(threshold=config.vad_threshold, min_silence_ms=config.min_silence_ms, speech_pad_ms=config.preroll_ms),
         turn_detection=config.turn_detection, min_endpointing_delay=config.min_endpointing_delay,
-        max_endpointing_delay=config.max_endpointing_delay, check_words=config.check_words,
+        max_endpointing_delay=config.max_endpointing_delay, statement_endpointing_delay=config.statement_endpointing_delay,
+        check_words=config.check_words,
         preemptive_generation=config.preemptive_generation)
     try:
         turn_model = SmartTurn() if loop.turn_detection == "smart_turn" else None
@@ -180,7 +181,9 @@ class Controller:
 
     def health(self) -> dict[str, Any]:
         host = self.host
-        out: dict[str, Any] = {"spec": self.config.spec}
+        out: dict[str, Any] = {"spec": host.spec.name if host is not None else self.config.spec}
+        if host is not None and host.choice is not None:
+            out["spec_choice"] = f"auto: {host.choice}"
         if self.voice is not None and hasattr(self.voice.agent, "describe"):
             out["replies"] = self.voice.agent.describe()
         if host is not None:
@@ -195,6 +198,12 @@ class Controller:
                        buffer_depth=stats.get("buffer_depth"), lead=stats.get("lead"),
                        underruns=stats.get("underruns"), steps=stats.get("steps"))
             # The browser reports once a second: the latest reports span the playout's recent window (5 s).
+            fps = shown.character.spec.fps
+            if shown is self.live and (stats.get("steps") or 0) >= 12 and out["fps_recent"] < 0.95 * fps:  # past 2 s
+                out["real_time"] = (f"NO: the engine makes {out['fps_recent']} of {fps} frames a second on this machine; "
+                                    "a busy machine, or a character too large for it (spec auto, or --spec demo-cpu)")
+            elif shown is self.live:
+                out["real_time"] = "yes"
             offsets = sorted(list(shown.av_offsets_ms)[-RECENT_SYNC_REPORTS:])
             if offsets and out["fps_recent"] < 0.95 * shown.character.spec.fps:
                 # Below real time the stream stalls between bursts and the browser's playout

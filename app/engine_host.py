@@ -1,6 +1,7 @@
 """The embedded engine: weights loaded once at start-up, one real-time character per session.
 
-One GPU (or the CPU): the engine runs in this process. Several GPUs, or `gpus` / `tp`
+With spec auto (the default) the host first measures each shipped character's step here and serves the
+largest that keeps real time with margin (`choose_spec`). One GPU (or the CPU): the engine runs in this process. Several GPUs, or `gpus` / `tp`
 given: one process per diffusion GPU plus decoder processes (`DistributedEngine`); a
 spare engine is started ahead so the next session does not wait for weights to load.
 """
@@ -9,18 +10,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 
 import torch
 
 from app.config import AppConfig
-from engine.build import build_engine, load, plan_placement, start_processes
+from engine.build import Loaded, build_engine, load, plan_placement, start_processes
 from engine.config import ModelSpec, get_spec
 from engine.distributed import DistributedEngine
-from engine.options import EngineOptions
+from engine.options import EngineOptions, new_session
 from engine.realtime import RealtimeCharacter
 from engine.session import pick_backend
-from engine.weights import pick_device
+from engine.weights import default_weights, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +48,71 @@ def engine_options(config: AppConfig, device: torch.device) -> EngineOptions:
                          prebuffer=c.prebuffer, max_lead=c.max_lead, adaptive_lead=c.adaptive_lead)
 
 
+AUTO = "auto"
+AUTO_SPECS = ("demo", "demo-cpu")  # the shipped characters, the largest first
+REAL_TIME_MARGIN = 1.25  # auto takes a spec whose steps come this much faster than real time needs
+
+
+def steps_per_second(loaded: Loaded, options: EngineOptions, spec: ModelSpec, steps: int = 3) -> float:
+    """Engine steps a second on this machine, decoding included, after one step to warm up: what auto
+    compares against real time (spec.fps / frames_per_latent steps a second)."""
+    session = new_session(loaded.model, replace(options, cuda_graph=False))  # eager: no capture to wait for
+    session.start(torch.zeros(spec.latent_channels, *spec.latent_grid))
+    audio = torch.zeros(spec.audio_window, spec.n_mels, device=loaded.device, dtype=next(loaded.model.parameters()).dtype)
+    with torch.no_grad():
+        loaded.codec.decode(session.step(audio))
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize(loaded.device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            frames = loaded.codec.decode(session.step(audio))
+        frames.cpu()  # decoded frames reach the host, as served
+        return steps / (time.perf_counter() - started)
+
+
+def choose_spec(config: AppConfig, device: torch.device) -> tuple[str, str]:
+    """spec auto: the largest shipped character whose measured steps keep real time with REAL_TIME_MARGIN to
+    spare, or, where none does, the fastest, said to be below real time. Returns the spec and why."""
+    shipped = [name for name in AUTO_SPECS if default_weights(get_spec(name)) is not None]
+    if not shipped:
+        raise ValueError(f"spec auto needs a shipped character ({', '.join(AUTO_SPECS)}) in assets/")
+    tried: list[str] = []
+    best: tuple[float, str] | None = None
+    for name in shipped:
+        spec = get_spec(name)
+        candidate = replace(config, spec=name)
+        options = engine_options(candidate, device)
+        placement = plan_placement(options, spec)
+        if placement is not None and placement.diffusion:  # several GPUs: real time is what they are for
+            return name, f"{name}: the largest shipped character, on GPUs {list(placement.diffusion)}"
+        options = replace(options, gpus=None, tp=1, processes=False)  # measured in this process
+        loaded = load(options, spec, None)
+        try:
+            rate = steps_per_second(loaded, options, spec)
+        finally:
+            loaded.close()
+        needed = spec.fps / spec.frames_per_latent
+        tried.append(f"{name} {rate:.1f} steps/s")
+        if rate >= REAL_TIME_MARGIN * needed:
+            return name, f"{name}: {', '.join(tried)} here; real time needs {needed:.0f} ({REAL_TIME_MARGIN:g}x to spare)"
+        if best is None or rate > best[0]:
+            best = (rate, name)
+    assert best is not None
+    rate, name = best
+    needed = get_spec(name).fps / get_spec(name).frames_per_latent
+    return name, f"{name}, BELOW REAL TIME: {', '.join(tried)} here; real time needs {needed:.0f}"
+
+
 class EngineHost:
     def __init__(self, config: AppConfig):
+        self.device = pick_device(config.device)
+        self.choice: str | None = None  # with spec auto: which character was chosen, and why
+        if config.spec == AUTO:
+            name, self.choice = choose_spec(config, self.device)
+            log.info("spec auto: %s", self.choice)
+            config = replace(config, spec=name)
         self.config = config
         self.spec: ModelSpec = get_spec(config.spec)
-        self.device = pick_device(config.device)
         options = engine_options(config, self.device)
         self.placement = plan_placement(options, self.spec)
         self.cuda_graph = self._graph_replay()

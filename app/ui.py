@@ -9,6 +9,7 @@ from typing import Any
 import gradio as gr
 
 from app.controller import Controller
+from app.engine_host import AUTO_SPECS
 from app.hls import LiveSegments, mic_chunk_to_float
 from app.latency import render_panel
 from app.recorder import find_recording, list_recordings
@@ -64,7 +65,9 @@ def _failures_html(failures: list[str]) -> str:
 def build_ui(controller: Controller) -> gr.Blocks:
     config = controller.config
     webrtc = config.transport == "webrtc"
-    segments = LiveSegments(controller, get_spec(config.spec).fps)  # transport hls: the character as segments
+    # transport hls: the character as segments, at the served character's rate (the engine's spec after auto)
+    spec = controller.host.spec if controller.host is not None else get_spec(AUTO_SPECS[0])
+    segments = LiveSegments(controller, spec.fps)
 
     def refresh():
         shown = controller.shown()

@@ -1,6 +1,6 @@
 """End of the user's speech to the character's voice at the browser, over several turns.
 
-    python -m lab.app_bench --json                 # demo spec, default agent, this machine's device
+    python -m lab.app_bench --json                 # the app's spec (auto), default agent, this machine's device
     python -m lab.app_bench --spec tiny --json     # the small engine CI uses on 2 CPU cores
 
 The whole app runs: its web server in this process, Debian's chromium driven by Playwright
@@ -183,7 +183,7 @@ def _barge_ins(controller, count: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lab.app_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--spec", default=None, help="engine spec (default: the app's, demo)")
+    p.add_argument("--spec", default=None, help="engine spec (default: the app's, auto)")
     p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"))
     p.add_argument("--config", default=None, help="YAML settings for the app (agent, VAD, placement...)")
     p.add_argument("--utterances", type=int, default=5, help="turns to measure (at most 10)")

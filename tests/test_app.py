@@ -22,7 +22,7 @@ def test_yaml_then_flags_override_defaults(tmp_path):
     config = build_config(path, {"port": 9001, "preset": None})
     assert (config.spec, config.preset, config.min_silence_ms, config.record) == ("tiny", "kofi", 500, True)
     assert config.port == 9001  # a flag given beats the file; a flag not given (None) does not
-    assert AppConfig().host == "127.0.0.1" and AppConfig().spec == "demo"
+    assert AppConfig().host == "127.0.0.1" and AppConfig().spec == "auto"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -567,6 +567,21 @@ def test_av_offset_is_withheld_while_the_engine_is_below_real_time(tmp_path):
         assert controller.health()["av_offset_ms"] == "n/a (engine below real time)"
         shown.stats.update(fps=20.0, fps_recent=24.0)  # a slow start, real time now
         assert controller.health()["av_offset_ms"] == 7
+    finally:
+        controller.close()
+
+
+def test_the_page_says_when_the_live_engine_falls_below_real_time(tmp_path):
+    from app.controller import Controller
+
+    controller = Controller(_config(tmp_path))
+    try:
+        live = controller.start()
+        live.stats = {"fps": 20.0, "fps_recent": 10.3, "steps": 60}  # a busy machine
+        said = controller.health()["real_time"]
+        assert said.startswith("NO") and "10.3 of 24" in said
+        live.stats = {"fps": 24.0, "fps_recent": 24.0, "steps": 60}
+        assert controller.health()["real_time"] == "yes"
     finally:
         controller.close()
 
