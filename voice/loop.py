@@ -27,9 +27,10 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from engine.audio import SAMPLE_RATE, StreamResampler, resample, to_mono_float32
+
 from .agent import ReplyAgent
 from .asr import WhisperASR
-from .audio import SAMPLE_RATE, StreamResampler, resample, to_mono_float32
 from .spoken import spoken_stream
 from .trace import SessionTrace, TurnTrace, now
 from .tts import PiperTTS, SentenceSplitter

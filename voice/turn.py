@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-SAMPLE_RATE = 16000
+from engine.audio import SAMPLE_RATE
+
 WINDOW_S = 8  # the model reads the last 8 s, zero-padded in front when shorter
 N_FFT, HOP, N_MELS = 400, 160, 80
 
