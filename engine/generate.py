@@ -14,15 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-from engine.audio import SAMPLE_RATE
+from engine.audio import SAMPLE_RATE, read_audio
 from engine.build import Built, build_engine
 from engine.cache import KV_DTYPES
 from engine.character import PRESETS
+from engine.checkpoint import sha256_of
 from engine.config import SPECS, get_spec
 from engine.kernels import ATTENTION_KERNELS
-from engine.media import Mp4Writer, read_audio
+from engine.media import Mp4Writer
 from engine.options import EngineOptions
-from engine.weights import ASSETS, pick_device, sha256_of
+from engine.weights import ASSETS, pick_device
 
 
 GREETING = ASSETS / "hello.wav"  # said when no --audio is given; lab/eval_speech.py made it with the app's voice

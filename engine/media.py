@@ -9,7 +9,6 @@ import av
 import numpy as np
 
 from engine.audio import SAMPLE_RATE
-from engine.audio import read_audio  # noqa: F401  (re-exported: engine/generate.py and lab/quality.py import it from here)
 
 
 def audio_encoder(sample_rate: int = SAMPLE_RATE) -> av.CodecContext:

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from engine import character as ch
-from engine.audio import SAMPLE_RATE, frame_sample
+from engine.audio import SAMPLE_RATE, frame_sample, load_wav_16k
+from engine.audio import read_audio as read_audio_file
 from engine.build import build_engine
 from engine.options import CONFIG_PRESETS, EngineOptions, check_options, options_device, parse_options
 from engine.weights import pick_device
@@ -436,32 +437,20 @@ def compare(spec, a: EngineOptions, bs: list[EngineOptions], *, clips: int, clip
     }
 
 
-def read_audio(path: str, max_seconds: float) -> np.ndarray:
-    """Audio file -> 16 kHz mono float32: through PyAV, or for WAV files the standard library when PyAV is absent."""
+def read_audio(path: str | Path, max_seconds: float) -> np.ndarray:
+    """Audio file -> 16 kHz mono float32: any format through PyAV; where PyAV is absent, WAV files
+    through the engine's own reader, so the lab measures on hosts that have only torch."""
     try:
-        from engine.media import read_audio as read_any
-    except ImportError:
-        read_any = None
-    if read_any is not None:
-        return read_any(path, max_seconds=max_seconds)
-    import wave
-
-    from engine.audio import to_mono_16k
-
+        return read_audio_file(path, max_seconds=max_seconds)
+    except ModuleNotFoundError as e:
+        if e.name != "av":
+            raise
     if not Path(path).is_file():
         raise ValueError(f"audio file not found: {path}")
     try:
-        with wave.open(str(path)) as w:
-            rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
-            raw = w.readframes(w.getnframes())
-    except (wave.Error, EOFError) as e:
-        raise ValueError(f"cannot read {path} without PyAV (only 16-bit WAV): {e}") from e
-    if width != 2:
-        raise ValueError(f"cannot read {path} without PyAV: only 16-bit WAV, got {8 * width}-bit")
-    pcm = np.frombuffer(raw, np.int16).reshape(-1, channels).astype(np.float32) / 32768.0
-    if pcm.shape[0] > max_seconds * rate:
-        raise ValueError(f"{path} is longer than {max_seconds:g} s")
-    return to_mono_16k(pcm if channels > 1 else pcm[:, 0], rate)
+        return load_wav_16k(path, max_seconds=max_seconds)
+    except ValueError as e:
+        raise ValueError(f"{e} (read as WAV: PyAV, which reads other formats, is not installed)") from e
 
 
 # Contact sheets ------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The lip-sync metric: reads the mouth from pixels, ranks synced above shifted above shuffled."""
 
 import json
+import sys
 import wave
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from lab.quality import (
     mouth_opening,
     offset_correlations,
     picture_stats,
+    read_audio,
     shuffled_floor,
     sync_scores,
 )
@@ -98,6 +100,23 @@ def test_cli_reports_generated_ceiling_and_floor(tmp_path, speech, capsys):
     assert long["ceiling_first_minute"]["score"] > 0
     assert main(["lipsync", "--spec", "tiny", "--audio", str(tmp_path / "none.wav")]) == 2
     assert main(["lipsync", "--spec", "tiny", "--audio", str(wav), "--preset", "zed"]) == 2
+
+
+def test_wav_files_are_read_without_pyav(tmp_path, speech, monkeypatch):
+    """Where PyAV is absent the lab still reads WAV files (through engine.audio), and says why it refuses others."""
+    wav = tmp_path / "x.wav"
+    _write_wav(wav, speech[:SAMPLE_RATE])
+    with_pyav = read_audio(wav, max_seconds=10)
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` now fails as on a host without PyAV
+    np.testing.assert_allclose(read_audio(wav, max_seconds=10), with_pyav, atol=1e-4)
+    with pytest.raises(ValueError, match="not found"):
+        read_audio(tmp_path / "none.wav", max_seconds=10)
+    with pytest.raises(ValueError, match="1.0 s long; the limit is"):
+        read_audio(wav, max_seconds=0.5)
+    mp3 = tmp_path / "x.mp3"
+    mp3.write_bytes(b"ID3" + bytes(64))
+    with pytest.raises(ValueError, match="not a RIFF/WAVE file.*PyAV"):
+        read_audio(mp3, max_seconds=10)
 
 
 def test_contact_sheet_png(tmp_path, speech, capsys):
