@@ -6,9 +6,7 @@ from pathlib import Path
 
 import torch
 
-# install_checkpoint, remove_checkpoint, save_checkpoint and sha256_of are re-exported: training/train.py and
-# engine/generate.py import them from here (their home is engine.checkpoint).
-from engine.checkpoint import install_checkpoint, load_checkpoint, remove_checkpoint, save_checkpoint, sha256_of  # noqa: F401
+from engine.checkpoint import load_checkpoint
 from engine.codec import StandInCodec, load_codec
 from engine.config import ModelSpec
 from engine.model import build_model

@@ -47,13 +47,14 @@ from torch import nn
 
 from engine import character as ch
 from engine.audio import SAMPLE_RATE, read_wav, resample
-from engine.mel import log_mel_frames, silence_features
+from engine.checkpoint import install_checkpoint, remove_checkpoint, save_checkpoint, sha256_of
 from engine.codec import TrainedCodec, build_codec, codec_path, load_codec, save_codec
 from engine.config import SPECS, ModelSpec, get_spec
+from engine.mel import log_mel_frames, silence_features
 from engine.model import CausalVideoDiT, HeadNorm, apply_head_norm, build_model
 from engine.rope import apply_rope, cos_sin, frame_positions, reference_positions, rope_angles
 from engine.session import noise_levels
-from engine.weights import ASSETS, install_checkpoint, pick_device, remove_checkpoint, save_checkpoint, sha256_of
+from engine.weights import ASSETS, pick_device
 
 # Corpus ----------------------------------------------------------------------------------
 WORDS = """the a an and but or so if when then because while after before this that these those it
