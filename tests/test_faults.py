@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.audio import SAMPLE_RATE
-from engine.decoder import StandInCodec
+from engine.codec import StandInCodec
 from lab.faults import FAULT_KINDS, corrupt_audio, parse_fault
 from engine.model import build_model
 from engine.options import parse_options
