@@ -20,13 +20,15 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lab.bench import attention_options_arg, random_shard
 from engine.config import get_spec
+from engine.options import new_session
 from engine.session import EngineSession
+from lab.bench import SERVED, attention_options_arg, random_shard
 
 
 def main() -> None:
@@ -42,8 +44,8 @@ def main() -> None:
     spec = get_spec(args.spec)
     fast_accum = args.fast_accum == "on"
     model = random_shard(spec, args.tp_shard, dev, torch.bfloat16, fp8_gemms=True, fast_accum=fast_accum)
-    session = EngineSession(model, cache="ring", kv_dtype="fp8", backend="triton", attention_options=args.attention_options,
-                            cuda_graph=args.graph)
+    # the served session, as lab.bench step builds it: eager unless --graph
+    session = new_session(model, replace(SERVED, cuda_graph=args.graph), attention=args.attention_options)
     if args.graph:
         print(json.dumps({"spec": spec.name, "tp_shard": args.tp_shard, "device": torch.cuda.get_device_name(),
                           "fast_accum": fast_accum, **graph_timeline(session, spec, dev, args.steps)}, indent=1))
