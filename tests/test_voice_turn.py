@@ -1,10 +1,12 @@
 import importlib.metadata
 import importlib.util
+import time
 
 import numpy as np
 import pytest
 
 from voice import turn as turn_module
+from voice.asr import WhisperASR
 from voice.loop import LoopEvent, RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
 from voice.samples import piper_speech, speech_bounds, with_silence
 from voice.turn import SmartTurn, log_mel_features, model_path, unfinished_words
@@ -169,6 +171,40 @@ def test_a_statement_waits_longer_so_the_question_after_it_stays_in_the_turn():
     assert second.stamps["speech_end"] - second.stamps["last_voiced_audio"] >= 0.8 - 0.035
     with pytest.raises(ValueError, match="statement_endpointing_delay"):
         VoiceLoopConfig(statement_endpointing_delay=0.1)
+
+
+class SlowASR:
+    """Speech recognition that takes 0.6 s more a decode (a busy machine): words come after the verdict."""
+
+    def __init__(self, asr) -> None:
+        self.asr = asr
+
+    def transcribe(self, audio):
+        time.sleep(0.6)
+        return self.asr.transcribe(audio)
+
+    def __getattr__(self, name):
+        return getattr(self.asr, name)
+
+
+def test_a_verdict_before_the_words_waits_as_a_statement_until_they_ask_a_question():
+    """Judged complete with its words not yet in (their decode under way, or not begun), a turn is not ended at
+    0.2 s: "My favourite colour is green," stays in one turn with its question, and a question ends as soon as
+    its words are in, not at 0.8 s."""
+    model = AlwaysComplete()
+    loop = VoiceLoop(RecordingSink(), agent=Silent(), asr=SlowASR(WhisperASR(device="cpu")), config=VoiceLoopConfig(),
+                     turn_model=model)
+    with loop:
+        speech = paused_speech("My favourite colour is green, | what is yours?", 0.6)
+        feed_audio(loop, with_silence(speech, before_s=0.4, after_s=2.5), real_time=True)
+        feed_audio(loop, with_silence(piper_speech("What is your name?"), before_s=0.4, after_s=2.5), real_time=True)
+        assert loop.wait_idle(30)
+    first, second = [t for t in loop.trace.turns if "speech_end" in t.stamps and t.info.get("status") != "continued"]
+    assert "green" in first.info["user_text"] and "yours" in first.info["user_text"]
+    assert "name" in second.info["user_text"]
+    verdict = second.info["turn_judgements"][-1]
+    assert verdict.get("words_pending") or verdict.get("awaited_words"), verdict
+    assert second.stamps["speech_end"] - second.stamps["last_voiced_audio"] < 0.8 - 0.05
 
 
 def test_silence_mode_keeps_the_old_rule_and_bad_settings_are_refused():

@@ -553,10 +553,20 @@ class VoiceLoop:
             self._ask_judge(turn)
             return
         delay = self.config.min_endpointing_delay
-        if self.config.check_words and turn.words[0] >= turn.voiced_end and not words.strip().endswith("?"):
-            delay = self.config.statement_endpointing_delay  # the words are all in, and they ask nothing
-            turn.trace.info["turn_judgements"][-1]["statement"] = True
+        if self.config.check_words and not (turn.words[0] >= turn.voiced_end and words.strip().endswith("?")):
+            # they ask nothing, or are not all in: a question's words, once in, end it sooner (_shorten_for_question)
+            delay = self.config.statement_endpointing_delay
+            turn.trace.info["turn_judgements"][-1]["statement" if turn.words[0] >= turn.voiced_end else "words_pending"] = True
         turn.complete_at = turn.voiced_end + int(delay * SAMPLE_RATE)
+        if self._history.total >= turn.complete_at:
+            self._end_judged_turn(turn, now())
+
+    def _shorten_for_question(self, turn: _Turn) -> None:
+        """A turn judged complete before its words were in waits as a statement would; once they are in and ask
+        a question, it ends at min_endpointing_delay (now, if the silence is that long already). Lock held."""
+        if turn is not self._turn or turn.ended or turn.complete_at < 0:
+            return
+        turn.complete_at = min(turn.complete_at, turn.voiced_end + int(self.config.min_endpointing_delay * SAMPLE_RATE))
         if self._history.total >= turn.complete_at:
             self._end_judged_turn(turn, now())
 
@@ -672,6 +682,8 @@ class VoiceLoop:
                 if 0 <= turn.words_awaited <= until and turn is self._turn and not turn.ended:
                     turn.words_awaited = -1
                     self._judge_words(turn, self._history.total)
+                elif until >= turn.voiced_end and text.strip().endswith("?"):
+                    self._shorten_for_question(turn)
                 turn.trace.info[f"asr_{kind}_decodes"] = turn.trace.info.get(f"asr_{kind}_decodes", 0) + 1
                 partial = not turn.ended
             if partial and text:
