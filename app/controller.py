@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from app.config import AppConfig
-from app.engine_host import EngineHost
+from app.engine_host import AUTO_SPECS, EngineHost
 from app.live import LiveSession, VoiceModels
 from app.recorder import SessionRecorder
 from engine.session_log import default_log
@@ -200,8 +200,10 @@ class Controller:
             # The browser reports once a second: the latest reports span the playout's recent window (5 s).
             fps = shown.character.spec.fps
             if shown is self.live and (stats.get("steps") or 0) >= 12 and out["fps_recent"] < 0.95 * fps:  # past 2 s
-                out["real_time"] = (f"NO: the engine makes {out['fps_recent']} of {fps} frames a second on this machine; "
-                                    "a busy machine, or a character too large for it (spec auto, or --spec demo-cpu)")
+                smallest = AUTO_SPECS[-1]
+                advice = (f"a busy machine, or a character too large for it (--spec {smallest})" if out["spec"] != smallest
+                          else "a busy machine: the engine shares its cores with the browser and the voice models")
+                out["real_time"] = f"NO: the engine makes {out['fps_recent']} of {fps} frames a second here; {advice}"
             elif shown is self.live:
                 out["real_time"] = "yes"
             offsets = sorted(list(shown.av_offsets_ms)[-RECENT_SYNC_REPORTS:])
