@@ -377,7 +377,8 @@ def test_stop_mid_reply_keeps_what_was_heard_on_the_page_in_the_transcript_and_i
     rec = next(r for r in list_recordings(controller.config.recordings_dir) if r.folder.name.endswith(live.session_id))
     turn = [r for r in rec.trace() if r["turn_id"] == record["turn_id"]][-1]  # the turn's last record
     assert turn["status"] == "interrupted" and "stopped" in turn["stamps"], turn
-    assert 0 < turn["heard_audio_s"] < turn["reply_audio_s"], turn
+    # Stop may land in a pause between the reply's clauses, when all its voice made so far has played
+    assert 0 < turn["heard_audio_s"] <= turn["reply_audio_s"], turn
     assert turn["heard_text"] and len(turn["heard_text"]) < len(turn["reply_text"]), turn
     line = [row for row in rec.transcript() if row["role"] == "assistant" and row["turn_id"] == record["turn_id"]][-1]
     assert line.get("interrupted") and line["text"] == turn["heard_text"], line
