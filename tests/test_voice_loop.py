@@ -242,7 +242,8 @@ def test_a_written_reply_is_said_as_sentences_without_markup_or_figures(models):
 def test_barge_in_while_a_finished_reply_plays_cuts_it_back_to_what_was_heard(models, tmp_path):
     """Synthesis runs ahead of playback: a reply can be whole in the sink, its books closed, and still playing when
     the user cuts in. Its record is rewritten as interrupted and the agent remembers only what was heard."""
-    story = ["Once upon a time, in a small village by the cold grey sea, there stood a tall white lighthouse.",
+    # one sentence without a comma, so that it is spoken as one piece
+    story = ["Once upon a time in a small village by the cold grey sea there stood a tall white lighthouse.",
              "It stood on a rock for a hundred years.", "Every night its keeper climbed the stairs."]
     sink, events = FakeEngineSink(), []
     agent = ScriptedAgent(story, ["Sure."])
@@ -308,7 +309,8 @@ def test_a_reply_still_queued_in_the_sink_is_still_speaking_and_can_be_cut(model
 def test_stop_while_a_reply_plays_keeps_what_was_heard_and_marks_it_interrupted(models, tmp_path):
     """Stop (close) in the middle of a reply whose audio is all in the sink and still playing: the sink is cleared,
     the reply is cut back to what had begun to play, reported interrupted, and its record says so."""
-    story = ["Once upon a time, in a small village by the cold grey sea, there stood a tall white lighthouse.",
+    # one sentence without a comma, so that it is spoken as one piece
+    story = ["Once upon a time in a small village by the cold grey sea there stood a tall white lighthouse.",
              "It stood on a rock for a hundred years.", "Every night its keeper climbed the stairs."]
     sink, events = FakeEngineSink(), []
     path = tmp_path / "trace.jsonl"
