@@ -174,13 +174,13 @@ def test_a_statement_waits_longer_so_the_question_after_it_stays_in_the_turn():
 
 
 class SlowASR:
-    """Speech recognition that takes 0.6 s more a decode (a busy machine): words come after the verdict."""
+    """Speech recognition that takes 0.3 s more a decode (a busy machine): words come after the verdict."""
 
     def __init__(self, asr) -> None:
         self.asr = asr
 
     def transcribe(self, audio):
-        time.sleep(0.6)
+        time.sleep(0.3)
         return self.asr.transcribe(audio)
 
     def __getattr__(self, name):

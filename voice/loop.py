@@ -125,7 +125,9 @@ class VoiceLoopConfig:
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
     barge_in: bool = True
-    first_clause_min_words: int = 1  # the reply's first clause is spoken at a comma once it has this many words ("Sure,")
+    first_clause_min_words: int = 3  # the reply's first clause is spoken at a comma once it has this many words
+    # until this many words have gone, each clause goes at first_clause_min_words (1: the first clause only)
+    reply_lead_words: int = 1
     # Start the reply at the user's pause, before the end of the turn is confirmed; speak it once it is.
     preemptive_generation: bool = True
     # An agent that can (a local model) reads the user's words while they speak, so its reply starts sooner.
@@ -892,7 +894,8 @@ class VoiceLoop:
         self._stamp(turn, attempt, "reply_start")
         written = self.agent.stream_reply(user_text, history, cancelled=stop)
         stream = spoken_stream(written)  # as it will be said: no lists, markup or figures
-        splitter = SentenceSplitter(first_clause_min_words=self.config.first_clause_min_words)
+        splitter = SentenceSplitter(first_clause_min_words=self.config.first_clause_min_words,
+                                    lead_words=self.config.reply_lead_words)
         reply: list[str] = []
         try:
             for chunk in stream:
