@@ -154,18 +154,24 @@ def test_an_opening_clause_the_model_finds_complete_waits_for_the_rest():
     assert turn.info["end_reason"] == "smart_turn"
 
 
+def green_then(loop: VoiceLoop, text: str, after_s: float, idle_s: float) -> tuple:
+    """Feed "My favourite colour is green, | what is yours?" (a 0.6 s pause at the comma), then `text`; check the
+    first stayed one turn and return the two answered turns."""
+    with loop:
+        speech = paused_speech("My favourite colour is green, | what is yours?", 0.6)
+        feed_audio(loop, with_silence(speech, before_s=0.4, after_s=after_s), real_time=True)
+        feed_audio(loop, with_silence(piper_speech(text), before_s=0.4, after_s=after_s), real_time=True)
+        assert loop.wait_idle(idle_s)
+    first, second = [t for t in loop.trace.turns if "speech_end" in t.stamps and t.info.get("status") != "continued"]
+    assert "green" in first.info["user_text"] and "yours" in first.info["user_text"]
+    return first, second
+
+
 def test_a_statement_waits_longer_so_the_question_after_it_stays_in_the_turn():
     """A model that finds "My favourite colour is green" complete, a pause of 0.6 s, then "what is yours?": the
     words asked nothing, so the turn waits statement_endpointing_delay and the question joins it."""
-    model = AlwaysComplete()
-    loop = VoiceLoop(RecordingSink(), agent=Silent(), config=VoiceLoopConfig(), turn_model=model)
-    with loop:
-        speech = paused_speech("My favourite colour is green, | what is yours?", 0.6)
-        feed_audio(loop, with_silence(speech, before_s=0.4, after_s=2.0), real_time=True)
-        feed_audio(loop, with_silence(piper_speech("I would like a cup of tea."), before_s=0.4, after_s=2.0), real_time=True)
-        assert loop.wait_idle(20)
-    first, second = [t for t in loop.trace.turns if "speech_end" in t.stamps and t.info.get("status") != "continued"]
-    assert "green" in first.info["user_text"] and "yours" in first.info["user_text"]
+    first, second = green_then(VoiceLoop(RecordingSink(), agent=Silent(), config=VoiceLoopConfig(), turn_model=AlwaysComplete()),
+                               "I would like a cup of tea.", after_s=2.0, idle_s=20)
     assert first.stamps["speech_end"] - first.stamps["last_voiced_audio"] < 0.5  # the question ended it at once
     assert "tea" in second.info["user_text"] and second.info["turn_judgements"][-1].get("statement") is True
     assert second.stamps["speech_end"] - second.stamps["last_voiced_audio"] >= 0.8 - 0.035
@@ -191,16 +197,9 @@ def test_a_verdict_before_the_words_waits_as_a_statement_until_they_ask_a_questi
     """Judged complete with its words not yet in (their decode under way, or not begun), a turn is not ended at
     0.2 s: "My favourite colour is green," stays in one turn with its question, and a question ends as soon as
     its words are in, not at 0.8 s."""
-    model = AlwaysComplete()
     loop = VoiceLoop(RecordingSink(), agent=Silent(), asr=SlowASR(WhisperASR(device="cpu")), config=VoiceLoopConfig(),
-                     turn_model=model)
-    with loop:
-        speech = paused_speech("My favourite colour is green, | what is yours?", 0.6)
-        feed_audio(loop, with_silence(speech, before_s=0.4, after_s=2.5), real_time=True)
-        feed_audio(loop, with_silence(piper_speech("What is your name?"), before_s=0.4, after_s=2.5), real_time=True)
-        assert loop.wait_idle(30)
-    first, second = [t for t in loop.trace.turns if "speech_end" in t.stamps and t.info.get("status") != "continued"]
-    assert "green" in first.info["user_text"] and "yours" in first.info["user_text"]
+                     turn_model=AlwaysComplete())
+    first, second = green_then(loop, "What is your name?", after_s=2.5, idle_s=30)
     assert "name" in second.info["user_text"]
     verdict = second.info["turn_judgements"][-1]
     assert verdict.get("words_pending") or verdict.get("awaited_words"), verdict
