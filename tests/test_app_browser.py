@@ -161,7 +161,9 @@ def test_one_turn_in_the_browser(app):
     live = controller.last
     record = next(r for r in live.turn_records() if "client_delivered" in r["stamps"])
     stamps = record["stamps"]
-    assert stamps["last_voiced_audio"] < stamps["speech_end"] <= stamps["asr_done"] <= stamps["reply_first_text"]
+    assert stamps["last_voiced_audio"] < stamps["speech_end"] <= stamps["asr_done"]
+    # a reply begun at the pause may write its first words while a statement's end of turn is still awaited
+    assert stamps["asr_done"] <= stamps["reply_first_text"] or record.get("preemptive") is True, record
     # the first two are stamped on two threads (the voice loop's, the frame pump's): a few ms either way
     assert stamps["tts_first_audio"] < stamps["first_speaking_frame"] + 0.005 < stamps["client_delivered"] + 0.005
 
