@@ -555,7 +555,10 @@ class VoiceLoop:
             self._ask_judge(turn)
             return
         delay = self.config.min_endpointing_delay
-        if self.config.check_words and not (turn.words[0] >= turn.voiced_end and words.strip().endswith("?")):
+        asks = turn.words[0] >= turn.voiced_end and words.strip().endswith("?")
+        if asks:
+            self._note_question(turn)
+        if self.config.check_words and not asks:
             # they ask nothing, or are not all in: a question's words, once in, end it sooner (_shorten_for_question)
             delay = self.config.statement_endpointing_delay
             turn.trace.info["turn_judgements"][-1]["statement" if turn.words[0] >= turn.voiced_end else "words_pending"] = True
@@ -568,9 +571,14 @@ class VoiceLoop:
         a question, it ends at min_endpointing_delay (now, if the silence is that long already). Lock held."""
         if turn is not self._turn or turn.ended or turn.complete_at < 0:
             return
+        self._note_question(turn)
         turn.complete_at = min(turn.complete_at, turn.voiced_end + int(self.config.min_endpointing_delay * SAMPLE_RATE))
         if self._history.total >= turn.complete_at:
             self._end_judged_turn(turn, now())
+
+    def _note_question(self, turn: _Turn) -> None:
+        """Keep, in the trace, how long the silence was when the turn's words were first all in and a question."""
+        turn.trace.info.setdefault("question_heard_s", round((self._history.total - turn.voiced_end) / SAMPLE_RATE, 3))
 
     def _end_judged_turn(self, turn: _Turn, t: float) -> None:
         """End a turn the model judged complete (lock held); its VAD segment closes at the next feed."""
