@@ -187,7 +187,7 @@ def two_gpus() -> list[str]:
                 f"diffusion on GPU 0 and the decoder on GPU 1 in their own processes (`{sess['config']}`), driven by "
                 "scripted turns (4 s of speech, 3 s of silence) through the playout buffer; frames counted at their "
                 "release times.", "",
-                f"Command: `SESSION_SECONDS={sess['seconds_asked']:.0f} bash tools/gpu_suite.sh session2`, i.e. "
+                f"Command: `SESSION_SECONDS={sess['seconds_asked']:.0f} bash lab/device/gpu_suite.sh session2`, i.e. "
                 f"`python -m lab.soak --spec demo --config cuda-graph,processes=true,decoder_gpu=1 --seconds "
                 f"{sess['seconds_asked']:.0f} --json` (result: `docs/results/session_demo_x2_h200.json`, per-second trace "
                 "`docs/results/session_demo_x2_h200_trace.jsonl`)", "",
@@ -223,10 +223,10 @@ def voice_loop() -> list[str]:
                 f"wall-clock pace; min_silence_ms {r['config']['min_silence_ms']}, threshold {r['config']['threshold']}; "
                 f"mean word error rate {r['mean_wer']:.3f}.", "",
                 ("Command: `python -m lab.voice_bench --json`" if name == "cpu" else
-                 "Commands: `bash tools/voice_wheels.sh` here, one device call per part "
-                 "(`python3 tools/carry_parts.py receive .carry/voice/pNN --store /tmp/parts`), then there "
-                 "`python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels && python3 -m pip install "
-                 "--no-index --no-deps --target /tmp/site /tmp/wheels/*.whl && python3 tools/with_site.py /tmp/site "
+                 "Commands: `bash lab/device/voice_wheels.sh` here, one device call per part "
+                 "(`python3 lab/device/carry_parts.py receive .carry/voice/pNN --store /tmp/parts`), then there "
+                 "`python3 lab/device/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels && python3 -m pip install "
+                 "--no-index --no-deps --target /tmp/site /tmp/wheels/*.whl && python3 lab/device/with_site.py /tmp/site "
                  "lab.voice_bench --device cpu --json`") + f" (result: `docs/results/voice_bench_{name}.json`)", "",
                 "| stage (Pipecat / LiveKit name) | median s | p95 s |", "|---|---|---|"]
         for key in ("end_of_turn_delay", "stt", "llm_ttft", "tts_ttfb", "speech_end_to_first_audio", "e2e_latency"):
@@ -279,8 +279,8 @@ def character_replies() -> list[str]:
     if any(r for _, r in apps):
         out += ["## The app with the language model, end of speech to voice at the browser (H200)", "",
                 "One H200, the demo spec with its CUDA graph, 8 spoken questions, Debian's chromium under Playwright. "
-                "Commands: `LLM=qwen2.5-1.5b PART_MIB=56 bash tools/app_carry.sh` here, one device call per part, then "
-                "`APP_UTTERANCES=8 bash tools/gpu_suite.sh app` there (the model on the CPU); with the CUDA build of "
+                "Commands: `LLM=qwen2.5-1.5b PART_MIB=56 bash lab/device/app_carry.sh` here, one device call per part, then "
+                "`APP_UTTERANCES=8 bash lab/device/gpu_suite.sh app` there (the model on the CPU); with the CUDA build of "
                 "llama-cpp-python in its place (`LLM_CUDA=1` builds it so), `python -m lab.app_bench --device cuda --utterances 8 "
                 "--json` (results: "
                 "`docs/results/app_bench_llm_h200.json`, `..._repeat.json`, `..._cpu_llm.json`)", "",
@@ -311,7 +311,7 @@ def power_summary(name: str) -> str | None:
     clock = [float(r[1].split()[0]) for r in busy]
     power = [float(r[3].split()[0]) for r in busy]
     capped = sum(1 for r in busy if int(r[6].strip(), 16) & 0x4)  # clocks_event_reasons: SW power cap
-    return (f"Clock and power through `bash tools/gpu_suite.sh step` (the two profiles, eager and graph-replayed, then "
+    return (f"Clock and power through `bash lab/device/gpu_suite.sh step` (the two profiles, eager and graph-replayed, then "
             f"a run of the step benchmark, in one call, that of the profiles above; `docs/results/{name}`, every 250 ms). While the GPU was busy ({len(busy)} samples over 300 W): SM clock median "
             f"{statistics.median(clock):.0f} MHz (min {min(clock):.0f}, max {float(busy[0][2].split()[0]):.0f}), power median "
             f"{statistics.median(power):.0f} W of a {busy[0][4].strip()} limit; the software power cap was holding the clock "
@@ -340,7 +340,7 @@ def ncu_summary(name: str) -> str | None:
         return None
     found["pipe"], found["pipe_pct"] = busiest.groups()
     pipe = "shared (FP64 and tensor)" if found["pipe"] == "Shared" else found["pipe"].lower()
-    return (f"Nsight Compute on one call of the warp-specialised kernel (64x128, 3 stages; `bash tools/gpu_suite.sh attention-ncu`, "
+    return (f"Nsight Compute on one call of the warp-specialised kernel (64x128, 3 stages; `bash lab/device/gpu_suite.sh attention-ncu`, "
             f"output `docs/results/{name}`; profiled at the tool's locked {found['clock']} GHz, so {found['us']} us): the busiest "
             f"pipe is the {pipe} pipe at {found['pipe_pct']}%, instructions issued in {found['busy']}% of scheduler cycles, no warp "
             f"ready to issue in {found['idle']}%; the stall it singles out is warps waiting at a barrier ({found['barrier']}% "
@@ -359,7 +359,7 @@ def ncu_source_summary(name: str) -> str | None:
     stalls = ", ".join(f"{k} {v:.0%}" for k, v in list(loop["stalls"].items())[:4])
     ops = ", ".join(f"{n} {op}" for op, n in list(loop["opcodes"].items())[:9])
     once = rest["top"][:2]
-    return (f"Per instruction (`bash tools/gpu_suite.sh attention-ncu-source`, then `python -m lab.probes.ncu_sass_summary "
+    return (f"Per instruction (`bash lab/device/gpu_suite.sh attention-ncu-source`, then `python -m lab.probes.ncu_sass_summary "
             f"docs/results/{name}`): the consumer's loop body ({loop['instructions']} instructions, run once per K/V block "
             f"per warp) holds {loop['share_of_samples']:.0%} of the stall samples; in it: {stalls} (\"selected\" is issuing; "
             f"\"barrier\" there is waiting for the tensor cores' results). Per block and warp it runs {ops}. The other "
@@ -562,10 +562,10 @@ def fa3_attention(r: dict | None, step: dict | None = None) -> list[str]:
             ("FlashAttention-3 FP8, views of all slots, the live count in `cache_seqlens`", "fa3_fp8_kvcache")]
     versions = f"torch {r['torch']}" + (f", Triton {r['triton']}" if "triton" in r else "")
     out = [f"FlashAttention-3's FP8 forward ({r['fa3_source'] or 'source not recorded'}; "
-           f"{versions}; no wheel on PyPI, so built from source for head size 128 by `tools/build_fa3.sh`) on the same "
+           f"{versions}; no wheel on PyPI, so built from source for head size 128 by `lab/device/build_fa3.sh`) on the same "
            f"e4m3 q, K, V with the same per-head scales ({shape['heads']} heads, {shape['queries']} queries, {shape['live']} "
            f"live of {shape['slots']} slots), medians of {len(r['sdpa_bf16']['us_runs'])} runs taken in turns, each timed as a "
-           f"{r['sdpa_bf16']['timing']} (command: `FA3_SRC=<flash-attention checkout> bash tools/gpu_suite.sh attention-fa3`, "
+           f"{r['sdpa_bf16']['timing']} (command: `FA3_SRC=<flash-attention checkout> bash lab/device/gpu_suite.sh attention-fa3`, "
            "result `docs/results/fa3_fp8_attention_h200.json`):", "",
            "| kernel | us per call | against SDPA | relative L2 error |", "|---|---|---|---|"]
     out += [f"| {label} | {r[key]['us']:.1f} | {r[key]['speedup_vs_sdpa_bf16']:.2f}x | {r[key]['rel_err']:.4f} |"
@@ -1013,7 +1013,7 @@ def main() -> None:
            "verbatim output of the command shown with it. GPU runs: see `docs/results/gpu_h200.txt`.", ""]
     gpu = (RESULTS / "gpu_h200.txt").read_text().strip().replace("\n", "; ") if (RESULTS / "gpu_h200.txt").is_file() else "?"
     out += pytest_run("pytest_gpu_h200.txt", "GPU tests on one H200, the engine's test files run on the GPU",
-                      "bash tools/gpu_suite.sh tests")
+                      "bash lab/device/gpu_suite.sh tests")
     step = load("step_57b_tp3_h200.json")
     cudnn, fa3 = load("cudnn_fp8_attention_h200.json"), load("fa3_fp8_attention_h200.json")
     out += fast_path_targets(step, load("attention_57b_tp3_h200.json"), cudnn, fa3)

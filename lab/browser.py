@@ -3,7 +3,7 @@
 Used by the end-to-end test and by `python -m lab.app_bench`. Playwright's own browser
 downloads are never used: chromium is the system's (`/usr/bin/chromium`), or the one
 TALKLOOP_CHROMIUM names (e.g. Debian's chromium-headless-shell unpacked on a machine
-where nothing can be installed; tools/app_carry.sh).
+where nothing can be installed; lab/device/app_carry.sh).
 """
 
 from __future__ import annotations

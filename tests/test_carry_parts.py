@@ -1,4 +1,4 @@
-"""tools/carry_parts.py: files split into parts, received one by one, assembled and verified."""
+"""lab/device/carry_parts.py: files split into parts, received one by one, assembled and verified."""
 
 import os
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lab" / "device"))
 import carry_parts  # noqa: E402
 
 
@@ -43,18 +43,18 @@ def test_with_site_runs_a_module_with_the_folder_after_the_interpreters_own(tmp_
     (site_dir / "json.py").write_text("raise RuntimeError('shadowed the standard library')\n")
     (site_dir / "probe_mod.py").write_text("import json, sys\nprint(json.dumps({'args': sys.argv[1:]}))\n")
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, str(root / "tools" / "with_site.py"), str(site_dir), "probe_mod", "--x", "1"],
+    out = subprocess.run([sys.executable, str(root / "lab" / "device" / "with_site.py"), str(site_dir), "probe_mod", "--x", "1"],
                          cwd=root, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == '{"args": ["--x", "1"]}'
-    bad = subprocess.run([sys.executable, str(root / "tools" / "with_site.py"), str(site_dir)], capture_output=True,
+    bad = subprocess.run([sys.executable, str(root / "lab" / "device" / "with_site.py"), str(site_dir)], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode != 0 and "usage" in bad.stderr
     # a copy of an installed package: the interpreter's wins, unless --first (the standard library always wins)
     (site_dir / "yaml.py").write_text("OURS = True\n")
     (site_dir / "probe_first.py").write_text("import json, yaml\nprint(hasattr(yaml, 'OURS'))\n")
     for flag, ours in (([], "False"), (["--first"], "True")):
-        out = subprocess.run([sys.executable, str(root / "tools" / "with_site.py"), *flag, str(site_dir), "probe_first"],
+        out = subprocess.run([sys.executable, str(root / "lab" / "device" / "with_site.py"), *flag, str(site_dir), "probe_first"],
                              cwd=root, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.strip() == ours, (flag, out.stdout, out.stderr)
 

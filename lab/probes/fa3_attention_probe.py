@@ -2,7 +2,7 @@
 warp-specialised kernel: the same e4m3 q, K, V and per-head scales (FA3 takes one descale per batch and
 head, as the engine keeps them), timed in one process in turns, each as a CUDA graph of 20 calls.
 
-FA3 has no wheel on PyPI; build it from a flash-attention checkout first (tools/build_fa3.sh), then
+FA3 has no wheel on PyPI; build it from a flash-attention checkout first (lab/device/build_fa3.sh), then
 
     PYTHONPATH=flash-attention/hopper python -m lab.probes.fa3_attention_probe   # on a Hopper GPU; prints one JSON object
 

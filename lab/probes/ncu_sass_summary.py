@@ -3,7 +3,7 @@
     python -m lab.probes.ncu_sass_summary docs/results/ncu_attention_ws_sass_h200.csv.gz   # prints one JSON object
 
 The input is `ncu --page source --csv --print-source sass` of a report with the SourceCounters section
-(`bash tools/gpu_suite.sh attention-ncu-source`). Instructions are grouped by how often they ran: the
+(`bash lab/device/gpu_suite.sh attention-ncu-source`). Instructions are grouped by how often they ran: the
 consumer's loop body runs once per K/V block per warp, far more often than anything else, so the
 instructions executed at least half as often as the most executed one are "the loop"; the rest are the
 producer warp, the prologue and epilogue, and the warps that only wait for the others to finish.

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The whole app on the device machine (Python 3.12, x86-64, its own CUDA image, no installs): the Python
 # packages that image lacks, as wheels, and Debian's chromium-headless-shell with the libraries it loads,
-# as .debs, in parts that fit beside the working tree in one call each (tools/carry_parts.py). Here:
-#   bash tools/app_carry.sh            # -> .carry/app/p01 ... (prints the part names)
+# as .debs, in parts that fit beside the working tree in one call each (lab/device/carry_parts.py). Here:
+#   bash lab/device/app_carry.sh            # -> .carry/app/p01 ... (prints the part names)
 # Then one device call per part, back to back while the machine stays warm:
-#   run(carry=[".carry/app/pNN"], command="python3 tools/carry_parts.py receive .carry/app/pNN --store /tmp/parts")
-# and last, on the same machine: bash tools/gpu_suite.sh app   (assembles, unpacks, runs lab.app_bench)
+#   run(carry=[".carry/app/pNN"], command="python3 lab/device/carry_parts.py receive .carry/app/pNN --store /tmp/parts")
+# and last, on the same machine: bash lab/device/gpu_suite.sh app   (assembles, unpacks, runs lab.app_bench)
 # PY=3.11 SKIP_IMAGE=0 makes the same set for a clean local venv (a dry run of the recipe on this machine).
 # The character's language model travels too: llama-cpp-python's source (built there; no Linux wheel on PyPI),
 # trimmed of what the build never reads, and the joined GGUF from this machine's cache (LLM=qwen2.5-0.5b for the
@@ -28,7 +28,7 @@ rm -f "$FILES"/ruff-*.whl  # gradio's custom-component tooling, never imported b
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$FILES" "pipecat-ai==1.14.0"
 if [[ ${SKIP_IMAGE:-1} == 1 ]]; then
   # The device image's own copies of torch's dependencies and of the large binary packages (its package list is in the
-  # device library's KINDS.md) are used instead of ours; tools/with_site.py --first puts the rest of ours before the image's.
+  # device library's KINDS.md) are used instead of ours; lab/device/with_site.py --first puts the rest of ours before the image's.
   for name in numpy pandas pillow onnxruntime sympy mpmath typing_extensions filelock fsspec jinja2 markupsafe; do
     rm -f "$FILES/$name"-*.whl
   done
@@ -50,4 +50,4 @@ if [[ ${LLM:-qwen2.5-1.5b} != none ]]; then
   cp "$(python3 -c "from voice.llm import model_file; print(model_file('${LLM:-qwen2.5-1.5b}'))")" "$FILES"/
 fi
 du -sh "$FILES"
-python3 tools/carry_parts.py split --out .carry/app --part-mib "$PART_MIB" "$FILES"/*.whl "$FILES"/*.deb $(ls "$FILES"/*.tar.gz "$FILES"/*.gguf 2>/dev/null)
+python3 lab/device/carry_parts.py split --out .carry/app --part-mib "$PART_MIB" "$FILES"/*.whl "$FILES"/*.deb $(ls "$FILES"/*.tar.gz "$FILES"/*.gguf 2>/dev/null)

@@ -3,12 +3,12 @@
 # calls), in place in a flash-attention checkout, on a machine with nvcc (CUDA >= 12.3) and a CUDA build of
 # PyTorch. FA3 has no wheel on PyPI; the engine does not use it, the probe compares it with the engine's kernel.
 #   git clone --recursive https://github.com/Dao-AILab/flash-attention
-#   bash tools/build_fa3.sh flash-attention            # about 2 minutes on 16 cores
+#   bash lab/device/build_fa3.sh flash-attention            # about 2 minutes on 16 cores
 #   PYTHONPATH=flash-attention/hopper python -m lab.probes.fa3_attention_probe
 # Left out: the other head sizes, fp16, the backward pass, paged and appended KV, local and soft-capped attention,
 # Ampere. Kept: variable lengths (`cache_seqlens`, the probe's last run), KV splits, clusters, packed GQA.
 set -euo pipefail
-src=${1:?usage: bash tools/build_fa3.sh FLASH_ATTENTION_CHECKOUT}
+src=${1:?usage: bash lab/device/build_fa3.sh FLASH_ATTENTION_CHECKOUT}
 [[ -f $src/hopper/setup.py ]] || { echo "build_fa3: $src/hopper/setup.py not found: not a flash-attention checkout" >&2; exit 2; }
 [[ -d $src/csrc/cutlass/include/cute ]] || {
   echo "build_fa3: $src/csrc/cutlass has no headers: clone with --recursive (or: git submodule update --init csrc/cutlass)" >&2; exit 2; }

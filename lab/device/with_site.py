@@ -1,7 +1,7 @@
 """Run a module with extra packages from a folder appended to sys.path (the interpreter's own packages win).
 
-    python3 tools/with_site.py /tmp/site lab.voice_bench --device cpu --json
-    python3 tools/with_site.py --first /tmp/site lab.app_bench --json
+    python3 lab/device/with_site.py /tmp/site lab.voice_bench --device cpu --json
+    python3 lab/device/with_site.py --first /tmp/site lab.app_bench --json
 
 PYTHONPATH would put the folder first, letting its copies of torch's own dependencies shadow the ones torch
 was built with; `site.addsitedir` appends it instead. `--first` puts it before the interpreter's

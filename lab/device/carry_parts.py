@@ -4,10 +4,10 @@ The device machine takes the working tree plus carried folders up to a fixed siz
 and keeps its /tmp while it stays warm between calls. So: split here, carry one part per
 call (each call copies its part into a store under /tmp), then assemble and verify there.
 
-    python tools/carry_parts.py split --out .carry/voice --part-mib 22 wheels/*.whl   # here
-    python3 tools/carry_parts.py receive .carry/voice/p03 --store /tmp/parts           # there, one per call
-    python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels        # there, last
-    python3 tools/carry_parts.py unpack-debs /tmp/wheels/*.deb --into /tmp/chromium   # there, for .debs
+    python lab/device/carry_parts.py split --out .carry/voice --part-mib 22 wheels/*.whl   # here
+    python3 lab/device/carry_parts.py receive .carry/voice/p03 --store /tmp/parts           # there, one per call
+    python3 lab/device/carry_parts.py assemble --store /tmp/parts --out /tmp/wheels        # there, last
+    python3 lab/device/carry_parts.py unpack-debs /tmp/wheels/*.deb --into /tmp/chromium   # there, for .debs
 
 `assemble` checks every file's sha256 and names the parts still missing. `unpack-debs` extracts
 Debian packages' files under a folder (never /), with no dpkg needed.
@@ -142,7 +142,7 @@ def unpack_debs(debs: list[Path], into: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python tools/carry_parts.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python lab/device/carry_parts.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("split")
     s.add_argument("files", nargs="+", type=Path)

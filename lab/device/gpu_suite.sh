@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash tools/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|attention-fa3|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
+#   bash lab/device/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|attention-fa3|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
 # soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
 # two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1; compare-x2:
 # the tensor-parallel and fused all-reduce paths against the rerun band).
@@ -32,10 +32,10 @@ for part in $parts; do
     run python -m lab.probes.cudnn_attention_probe > "$OUT/cudnn_fp8_attention.json" && head -c 600 "$OUT/cudnn_fp8_attention.json"
   fi
   if [[ $part == attention-fa3 ]]; then  # FlashAttention-3's FP8 path beside ours; FA3_SRC: a flash-attention checkout
-    # (with csrc/cutlass) or a .tar.xz of one, built here by tools/build_fa3.sh (FA3 has no wheel on PyPI)
+    # (with csrc/cutlass) or a .tar.xz of one, built here by lab/device/build_fa3.sh (FA3 has no wheel on PyPI)
     src=${FA3_SRC:?attention-fa3 needs FA3_SRC}
     if [[ -f $src ]]; then rm -rf /tmp/fa3_src && mkdir -p /tmp/fa3_src && tar -xJf "$src" -C /tmp/fa3_src && src=/tmp/fa3_src; fi
-    if run bash tools/build_fa3.sh "$src" > "$OUT/fa3_build.log" 2>&1; then
+    if run bash lab/device/build_fa3.sh "$src" > "$OUT/fa3_build.log" 2>&1; then
       PYTHONPATH="$src/hopper:$PYTHONPATH" run python -m lab.probes.fa3_attention_probe > "$OUT/fa3_fp8_attention.json" \
         && head -c 600 "$OUT/fa3_fp8_attention.json"
     else
@@ -91,10 +91,10 @@ for part in $parts; do
       --clips "${COMPARE_CLIPS:-24}" --clip-seconds 4 --json > "$OUT/compare_demo.json" \
       && python3 -c "import json;r=json.load(open('$OUT/compare_demo.json'));[print(c['b'],c['diff_b_minus_a'],c['verdict']) for c in r['comparisons']]"
   fi
-  if [[ $part == app ]]; then  # the whole app and a browser on this GPU; first carry tools/app_carry.sh's parts to /tmp/parts
-    rm -rf /tmp/app-files /tmp/site && python3 tools/carry_parts.py assemble --store /tmp/parts --out /tmp/app-files > /dev/null \
+  if [[ $part == app ]]; then  # the whole app and a browser on this GPU; first carry lab/device/app_carry.sh's parts to /tmp/parts
+    rm -rf /tmp/app-files /tmp/site && python3 lab/device/carry_parts.py assemble --store /tmp/parts --out /tmp/app-files > /dev/null \
       && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/app-files/*.whl \
-      && rm -rf /tmp/chromium && python3 tools/carry_parts.py unpack-debs /tmp/app-files/*.deb --into /tmp/chromium || exit 1
+      && rm -rf /tmp/chromium && python3 lab/device/carry_parts.py unpack-debs /tmp/app-files/*.deb --into /tmp/chromium || exit 1
     # The carried libraries for the browser alone (a wrapper sets them), not for this Python and its torch.
     # Fontconfig must find the carried fonts, or Skia aborts the browser at its first text.
     printf '<?xml version="1.0"?>\n<fontconfig><dir>/tmp/chromium/usr/share/fonts</dir><cachedir>/tmp/chromium/fc-cache</cachedir></fontconfig>\n' > /tmp/chromium/fonts.conf
@@ -109,7 +109,7 @@ for part in $parts; do
       mkdir -p /tmp/talkloop-cache && mv /tmp/app-files/*.gguf /tmp/talkloop-cache/ 2>/dev/null
     fi
     export TALKLOOP_CACHE=/tmp/talkloop-cache
-    TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 tools/with_site.py --first /tmp/site lab.app_bench ${APP_ARGS:---device cuda} \
+    TALKLOOP_CHROMIUM=/tmp/chromium/shell HF_HUB_OFFLINE=1 run python3 lab/device/with_site.py --first /tmp/site lab.app_bench ${APP_ARGS:---device cuda} \
       --utterances "${APP_UTTERANCES:-5}" --json > "$OUT/app_bench_demo_h200.json" && cat "$OUT/app_bench_demo_h200.json"
   fi
   # Nsight Compute on one call of the warp-specialised attention kernel (these parts run only when named)
