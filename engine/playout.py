@@ -149,6 +149,14 @@ class PlayoutBuffer:
             due = now if self.next_due is None else max(self.next_due, now)
             return (self.frames[0] if self.frames else None), due
 
+    def due_after_waiting(self) -> float | None:
+        """When the frame after those waiting is due if playback runs on without a gap; None while
+        (re)buffering."""
+        with self._cond:
+            if self.next_due is None:
+                return None
+            return max(self.next_due, self.clock()) + len(self.frames) * self.period
+
     def next_release(self) -> float | None:
         with self._cond:
             return self.next_due

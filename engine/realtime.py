@@ -13,11 +13,17 @@ In the spirit of LiveKit's avatar VideoGenerator:
 While nobody speaks the engine steps on silence, so the frame clock never stops. Each
 frame carries exactly the audio it was generated from, so picture and sound leave the
 playout buffer together.
+
+With `hold_when_late`, an engine slower than real time never stalls the voice: before a
+step whose frames would arrive after their time, the frames in between go out at once as
+the last picture held with their own audio, and the step makes the frames after them.
+The sound keeps the 24 fps clock; the picture changes as often as the engine can.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -43,12 +49,18 @@ def _silenced(frame: "AVFrame") -> "AVFrame":
     return replace(frame, pcm=np.zeros_like(frame.pcm), speaking=False)
 
 
+def _held_frames(first: int, rgb: np.ndarray, pcms: list[np.ndarray]) -> list["AVFrame"]:
+    """Frames from `first` on that show `rgb` again, each with its own audio."""
+    return [AVFrame(first + i, rgb, pcm, bool(np.sqrt(np.mean(pcm**2)) > _SPEECH_RMS), held=True) for i, pcm in enumerate(pcms)]
+
+
 @dataclass(frozen=True)
 class AVFrame:
     index: int  # video frame number in the session
     rgb: np.ndarray  # (H, W, 3) uint8
     pcm: np.ndarray  # (samples,) float32 at 16 kHz: this frame's 1/fps s of audio
     speaking: bool
+    held: bool = False  # the picture before it, held: the engine was too slow to make this one in time
 
 
 class AudioTimeline:
@@ -179,11 +191,14 @@ class RealtimeCharacter:
     # lead is the buffer's max_lead. A step's time runs from room in the buffer to its frames in hand (with a
     # step in flight, `lookahead`, that is from submitting the next one), which is what the lead must cover.
     LEAD_WINDOW, ADAPT_AFTER = 48, 8
+    # With hold_when_late, a step's frames are expected after (1 + lookahead) times the slowest of the last
+    # HOLD_WINDOW steps, times HOLD_MARGIN, plus one frame.
+    HOLD_WINDOW, HOLD_MARGIN = 4, 1.25
     STOP_WAIT_S = 10.0  # stop() waits this long for the step in flight (a first step may compile, capture a graph)
 
     def __init__(self, session: EngineSession | None = None, codec: Codec | None = None, *,
                  steps: LocalSteps | RemoteSteps | None = None, playout: PlayoutBuffer | None = None, lookahead: int = 0,
-                 adaptive_lead: bool = False):
+                 adaptive_lead: bool = False, hold_when_late: bool = False):
         if steps is None:
             if session is None or codec is None:
                 raise ValueError("give a session and a codec, or steps")
@@ -191,10 +206,11 @@ class RealtimeCharacter:
         self.steps, self.spec, self.session = steps, steps.spec, session
         self.lookahead = lookahead
         self.adaptive_lead = adaptive_lead
+        self.hold_when_late = hold_when_late
         # step times after the first ADAPT_AFTER; at least one reset period (the session's) plus a few steps long
         self._lead_window: deque[float] = deque(maxlen=max(self.LEAD_WINDOW, steps.reset_every + 6))
         self._warm_steps_skipped = 0
-        self._pending: deque[tuple[int, list[np.ndarray]]] = deque()  # submitted steps: first frame, audio
+        self._pending: deque[tuple[int, list[np.ndarray], int]] = deque()  # submitted steps: first frame, audio, step
         self.playout = playout or PlayoutBuffer(fps=self.spec.fps)
         self.timeline = AudioTimeline(self.spec.fps)
         self.step_seconds: deque[float] = deque(maxlen=1024)
@@ -206,6 +222,13 @@ class RealtimeCharacter:
         self._lock = threading.Lock()
         self._clears = 0  # barge-ins so far: a step taken off _pending before the latest one is silenced on its way in
         self._unsubmitted = 0  # first frame of the next step not yet submitted (a step may be in flight)
+        # Frames are numbered on the sound's clock; the session numbers only those it made. They differ by the
+        # frames held in its place (hold_when_late).
+        self._skipped = 0
+        self._put_until = 0  # the frame after the last one put into the playout buffer
+        self._last_rgb: np.ndarray | None = None
+        self.frames_held = 0
+        self._recent_held: deque[bool] = deque(maxlen=self.playout.stats.recent.maxlen)
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -247,11 +270,16 @@ class RealtimeCharacter:
         clock (time.monotonic by default): every frame before it released one per 1/fps from the next release."""
         pcm = to_mono_16k(pcm, sample_rate)
         with self._lock:  # not into a step already submitted: its audio was taken when it was submitted
-            self.timeline.push(pcm, max(self.steps.next_frame, self._unsubmitted))
+            self.timeline.push(pcm, self.next_frame)
             start = self.timeline.speech_end - pcm.size
             frame = frame_of_sample(start, self.spec.fps)
             next_frame, due = self._next_release()
             return due + (frame - next_frame) / self.spec.fps + (start - frame_sample(frame, self.spec.fps)) / SAMPLE_RATE
+
+    @property
+    def next_frame(self) -> int:
+        """The first frame not yet submitted to the engine: where speech pushed now can start."""
+        return max(self.steps.next_frame + self._skipped, self._unsubmitted)
 
     def _next_release(self) -> tuple[int, float]:
         """The next frame to be released and when (called with the lock held): the first waiting in the buffer,
@@ -262,7 +290,7 @@ class RealtimeCharacter:
             return head.index, due
         if self._pending:
             return self._pending[0][0], due
-        return max(self.steps.next_frame, self._unsubmitted), due
+        return self.next_frame, due
 
     def clear(self) -> None:
         """Barge-in: speech not yet made is dropped, frames already waiting go silent, and so does the audio of
@@ -271,7 +299,7 @@ class RealtimeCharacter:
             self._clears += 1
             unheard_from, _ = self._next_release()  # never past the next frame not yet submitted
             self.timeline.clear_from(unheard_from)
-            self._pending = deque((first, [np.zeros_like(p) for p in pcms]) for first, pcms in self._pending)
+            self._pending = deque((first, [np.zeros_like(p) for p in pcms], step) for first, pcms, step in self._pending)
         self.playout.map_waiting(_silenced)
 
     # Engine loop -------------------------------------------------------------------
@@ -285,29 +313,56 @@ class RealtimeCharacter:
         spec = self.spec
         t0 = time.perf_counter()  # the audio features count as part of the step
         with self._lock:
-            first = self.steps.next_frame
+            first = self.steps.next_frame + self._skipped
+            late = self._frames_late(first) if self.hold_when_late else 0
+            if late:
+                self._hold(first, late)
+                first += late
             self._unsubmitted = first + spec.frames_per_latent
             window_start = first - spec.audio_context
             features = self.timeline.features(window_start, spec.audio_window, spec.n_mels)
-            self._pending.append((first, [self.timeline.frame_pcm(first + i) for i in range(spec.frames_per_latent)]))
-            self.timeline.drop_before(first + spec.frames_per_latent - spec.audio_context - 1)
+            step = self.steps.steps_done
+            self._pending.append((first, [self.timeline.frame_pcm(first + i) for i in range(spec.frames_per_latent)], step))
+            self.timeline.drop_before(min(first + spec.frames_per_latent - spec.audio_context - 1, self._put_until))
         if self.before_step is not None:
-            self.before_step(first // spec.frames_per_latent)
-        self.steps.submit(features, window_start)
+            self.before_step(step)
+        self.steps.submit(features, window_start - self._skipped)
         if len(self._pending) <= self.lookahead:
             return [], self._clears
         rgb = self.steps.collect()
         seconds = time.perf_counter() - t0
         self.step_seconds.append(seconds)
         with self._lock:
-            first, pcms = self._pending.popleft()
+            first, pcms, step = self._pending.popleft()
             clears = self._clears
         if self.on_step is not None:
-            self.on_step(first // spec.frames_per_latent, seconds)
+            self.on_step(step, seconds)
+        made = len(rgb)
         return [
-            AVFrame(first + i, rgb[i], pcm, bool(np.sqrt(np.mean(pcm**2)) > _SPEECH_RMS))
-            for i, pcm in enumerate(pcms)
-        ], clears
+            AVFrame(first + i, rgb[i], pcm, bool(np.sqrt(np.mean(pcm**2)) > _SPEECH_RMS)) for i, pcm in enumerate(pcms[:made])
+        ] + _held_frames(first + made, rgb[-1], pcms[made:]), clears
+
+    def _frames_late(self, first: int) -> int:
+        """How many frames from `first` on would be due before a step submitted now brings them (lock held):
+        0 while playback (re)starts, or before any step's time is known."""
+        due = self.playout.due_after_waiting()
+        if due is None or self._last_rgb is None or not self.step_seconds:
+            return 0
+        recent = list(self.step_seconds)[-self.HOLD_WINDOW:]
+        expected = time.monotonic() + (1 + self.lookahead) * max(recent) * self.HOLD_MARGIN
+        first_due = due + (first - self._put_until) * self.playout.period
+        return max(0, math.ceil((expected - first_due) / self.playout.period) + 1)
+
+    def _hold(self, first: int, count: int) -> None:
+        """Frames first .. first+count-1 hold the picture before them, each with its own audio (lock held): put
+        into the playout buffer now, or, with a step in flight, after its frames."""
+        self._skipped += count
+        pcms = [self.timeline.frame_pcm(index) for index in range(first, first + count)]
+        if self._pending:
+            self._pending[-1][1].extend(pcms)
+            return
+        assert self._last_rgb is not None
+        self._put_locked(_held_frames(first, self._last_rgb, pcms))
 
     def _put(self, frames: list[AVFrame], clears: int) -> None:
         """Into the playout buffer; silenced if a barge-in came after their step left _pending (so that neither
@@ -316,7 +371,14 @@ class RealtimeCharacter:
         with self._lock:
             if clears != self._clears:
                 frames = [_silenced(f) for f in frames]
-            self.playout.put(frames)
+            self._put_locked(frames)
+
+    def _put_locked(self, frames: list[AVFrame]) -> None:
+        self.frames_held += sum(f.held for f in frames)
+        if frames:
+            self._put_until = frames[-1].index + 1
+            self._last_rgb = frames[-1].rgb
+        self.playout.put(frames)
 
     def _loop(self) -> None:
         try:
@@ -349,17 +411,23 @@ class RealtimeCharacter:
                 raise RuntimeError(f"engine loop died: {self.error!r}") from self.error
             if not batch and self.playout.closed:
                 return
+            self._recent_held.extend(f.held for f in batch)
             yield from batch
 
     def stats(self) -> dict:
         steps = sorted(self.step_seconds)
+        fps_recent = self.playout.stats.recent_fps(self.playout.clock(), self.playout.period)
+        held = list(self._recent_held)
         pick = (lambda q: 1000 * steps[min(int(q * len(steps)), len(steps) - 1)]) if steps else (lambda q: 0.0)
         return {
             "steps": self.steps.steps_done,
             "step_ms_p50": pick(0.5),
             "step_ms_p95": pick(0.95),
             "fps": self.playout.stats.fps(),
-            "fps_recent": self.playout.stats.recent_fps(self.playout.clock(), self.playout.period),
+            "fps_recent": fps_recent,
+            # new pictures a second among the frames released lately (the rest held the picture before them)
+            "video_fps_recent": fps_recent * (1 - sum(held) / len(held)) if held else fps_recent,
+            "frames_held": self.frames_held,
             "underruns": self.playout.stats.underruns,
             "buffer_depth": self.playout.stats.depth,
             "lead": self.playout.lead,

@@ -244,3 +244,61 @@ def test_adaptive_lead_waits_for_a_full_window_then_follows_the_slowest_step(mod
     rare = EngineSession(model, seed=2, reset_every=100)  # the session's own reset interval sets the window
     rare.start(reference_latent())
     assert RealtimeCharacter(rare, StandInCodec(TINY), adaptive_lead=True)._lead_window.maxlen == 106
+
+
+class SlowCodec(StandInCodec):
+    """A decoder that takes `seconds` a step: the engine makes 4 frames in that time, far below 24 fps."""
+
+    def __init__(self, spec, seconds: float):
+        super().__init__(spec)
+        self.seconds = seconds
+
+    def decode(self, latent):
+        import time
+        time.sleep(self.seconds)
+        return super().decode(latent)
+
+
+def run_slow(model, hold: bool, lookahead: int, seconds: float = 2.5) -> tuple[list, dict, int, int]:
+    """A session whose steps take 0.3 s (13 fps); speech pushed once playback runs. Returns the frames played
+    for `seconds` from then, the stats, the frame the speech starts on and the underruns before it."""
+    import time
+    session = EngineSession(model, seed=2)
+    session.start(reference_latent())
+    character = RealtimeCharacter(session, SlowCodec(TINY, 0.3), playout=PlayoutBuffer(prebuffer=4, max_lead=7),
+                                  lookahead=lookahead, hold_when_late=hold)
+    character.start()
+    frames = first_frames(character, 4)
+    start = None
+    deadline = time.monotonic() + seconds
+    for frame in character.frames(timeout=5):
+        if start is None:
+            start, underruns = character.next_frame, character.playout.stats.underruns
+            character.push_audio(speech(1.5), SAMPLE_RATE)
+        frames.append(frame)
+        if time.monotonic() > deadline:
+            break
+    stats = character.stop()
+    return frames, stats, start, underruns
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_a_slow_engine_holds_the_picture_and_keeps_the_voice_on_the_clock(model, lookahead):
+    frames, stats, start, underruns = run_slow(model, hold=True, lookahead=lookahead)
+    assert [f.index for f in frames] == list(range(len(frames)))  # one frame for every 1/24 s of sound
+    # The sound never waited: with a step in flight from the start (lookahead), the first step's wait is
+    # unforeseeable (its time is not known yet); none after it.
+    assert stats["underruns"] == underruns <= lookahead and stats["fps"] > 22.5, stats
+    held = [f.held for f in frames]
+    assert stats["frames_held"] >= sum(held) > len(frames) / 3  # 4 new pictures a 0.3 s step: ~13 of 24
+    assert all(np.shares_memory(f.rgb, frames[i - 1].rgb) for i, f in enumerate(frames) if f.held)  # the picture before it
+    assert 0 < stats["video_fps_recent"] < 18, stats
+    # Every sample of the speech plays, in order, from the frame it was placed on: the held frames carry theirs.
+    pcm = speech(1.5)
+    played = np.concatenate([f.pcm for f in frames if f.index >= start])
+    assert played.size >= pcm.size and np.array_equal(played[: pcm.size], pcm)
+
+
+def test_without_holding_a_slow_engine_stalls_the_voice(model):
+    frames, stats, _, _ = run_slow(model, hold=False, lookahead=0, seconds=1.5)
+    assert stats["underruns"] > 0 and stats["frames_held"] == 0 and not any(f.held for f in frames)
