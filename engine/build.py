@@ -139,11 +139,13 @@ def build_engine(options: EngineOptions, spec: ModelSpec, *, look: str, playout:
         if processes is None:
             session = new_session(loaded.model, options)
             session.start(reference)
-            character = RealtimeCharacter(session, loaded.codec, playout=playout, adaptive_lead=options.adaptive_lead)
+            character = RealtimeCharacter(session, loaded.codec, playout=playout, adaptive_lead=options.adaptive_lead,
+                                          hold_when_late=options.hold_when_late)
             return Built(character, loaded.trained, None, release)
         steps = RemoteSteps(processes)
         steps.start(reference.cpu())
-        character = RealtimeCharacter(steps=steps, playout=playout, lookahead=1, adaptive_lead=options.adaptive_lead)
+        character = RealtimeCharacter(steps=steps, playout=playout, lookahead=1, adaptive_lead=options.adaptive_lead,
+                                      hold_when_late=options.hold_when_late)
     except BaseException:
         if processes is not None:
             processes.close()

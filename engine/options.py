@@ -62,6 +62,7 @@ class EngineOptions:
     prebuffer: int = 4  # playout buffer: frames waiting before playback (re)starts
     max_lead: int = 7  # playout buffer: the most frames the engine may run ahead
     adaptive_lead: bool = False  # keep only the playout lead the engine's recent steps need (engine/playout.py)
+    hold_when_late: bool = False  # below real time, hold the picture and keep the sound on the clock (engine/realtime.py)
 
     @property
     def own_processes(self) -> bool:
@@ -87,6 +88,7 @@ class EngineOptions:
         extra += ["cuda_graph"] if self.cuda_graph else []
         extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
         extra += ["adaptive_lead"] if self.adaptive_lead else []
+        extra += ["hold_when_late"] if self.hold_when_late else []
         return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
 
 
