@@ -42,6 +42,8 @@ class AppConfig:
     tp: int | None = setting(None, "placement without GPUs: tensor-parallel degree in CPU processes")
     max_lead: int = setting(7, "playout buffer: the most frames the engine may run ahead")
     adaptive_lead: bool = setting(True, "keep only the lead the engine's recent steps need (engine/playout.py)")
+    hold_when_late: bool = setting(True, "when the engine falls below real time, the voice keeps the clock and the "
+                                         "picture holds between the frames it makes (engine/realtime.py)")
     cuda_graph: bool = setting(True, "replay the engine's step as a CUDA graph on a GPU (one diffusion process; needs Triton)")
     prebuffer: int = setting(4, "playout buffer: frames waiting before playback (re)starts")
     preset: str = setting("ada", "character preset at start")

@@ -197,13 +197,19 @@ class Controller:
                        fps=round(stats.get("fps", 0.0), 1), fps_recent=round(stats.get("fps_recent", 0.0), 1),
                        buffer_depth=stats.get("buffer_depth"), lead=stats.get("lead"),
                        underruns=stats.get("underruns"), steps=stats.get("steps"))
+            # Frames the engine was too late to make go out as the picture before them (hold_when_late): the
+            # sound keeps time, and the share of new pictures says how far below real time the engine is.
+            video_fps = round(stats.get("video_fps_recent", stats.get("fps_recent", 0.0)), 1)
+            if stats.get("frames_held"):
+                out.update(video_fps_recent=video_fps, frames_held=stats["frames_held"])
             # The browser reports once a second: the latest reports span the playout's recent window (5 s).
             fps = shown.character.spec.fps
-            if shown is self.live and (stats.get("steps") or 0) >= 12 and out["fps_recent"] < 0.95 * fps:  # past 2 s
+            if shown is self.live and (stats.get("steps") or 0) >= 12 and video_fps < 0.95 * fps:  # past 2 s
                 smallest = AUTO_SPECS[-1]
                 advice = (f"a busy machine, or a character too large for it (--spec {smallest})" if out["spec"] != smallest
                           else "a busy machine: the engine shares its cores with the browser and the voice models")
-                out["real_time"] = f"NO: the engine makes {out['fps_recent']} of {fps} frames a second here; {advice}"
+                kept = "; the voice keeps time, the picture holds between them" if stats.get("frames_held") else ""
+                out["real_time"] = f"NO: the engine makes {video_fps} of {fps} frames a second here{kept}; {advice}"
             elif shown is self.live:
                 out["real_time"] = "yes"
             offsets = sorted(list(shown.av_offsets_ms)[-RECENT_SYNC_REPORTS:])

@@ -45,7 +45,8 @@ def engine_options(config: AppConfig, device: torch.device) -> EngineOptions:
     return EngineOptions(name="app", spec=c.spec, weights=c.weights, device=c.device, gpus=gpus,
                          decoder_gpu=c.decoder_gpu, tp=c.tp or 1, processes=c.tp is not None,
                          kv_dtype="fp8" if device.type == "cuda" or own else "fp32", cuda_graph=c.cuda_graph,
-                         prebuffer=c.prebuffer, max_lead=c.max_lead, adaptive_lead=c.adaptive_lead)
+                         prebuffer=c.prebuffer, max_lead=c.max_lead, adaptive_lead=c.adaptive_lead,
+                         hold_when_late=c.hold_when_late)
 
 
 AUTO = "auto"

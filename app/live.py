@@ -41,7 +41,7 @@ class EngineSink:
 
     def push_audio(self, pcm: np.ndarray, sample_rate: int) -> float:
         if self.speech_from_frame is None:
-            self.speech_from_frame = self.character.steps.next_frame
+            self.speech_from_frame = self.character.next_frame
         return self.character.push_audio(pcm, sample_rate)
 
     def clear(self) -> None:

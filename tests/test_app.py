@@ -581,6 +581,12 @@ def test_the_page_says_when_the_live_engine_falls_below_real_time(tmp_path, monk
         monkeypatch.setattr(live.character, "stats", lambda: {"fps": 20.0, "fps_recent": 10.3, "steps": 60})
         said = controller.health()["real_time"]
         assert said.startswith("NO") and "10.3 of 24" in said and "--spec demo-cpu" in said  # tiny: a smaller one exists
+        # frames held for the voice's sake: released at 24 a second, 11.5 of them new pictures
+        monkeypatch.setattr(live.character, "stats", lambda: {"fps": 24.0, "fps_recent": 24.0, "video_fps_recent": 11.5,
+                                                                "frames_held": 300, "steps": 60})
+        health = controller.health()
+        assert health["real_time"].startswith("NO") and "11.5 of 24" in health["real_time"]
+        assert "the voice keeps time" in health["real_time"] and health["frames_held"] == 300
         monkeypatch.setattr(live.character, "stats", lambda: {"fps": 24.0, "fps_recent": 24.0, "steps": 60})
         assert controller.health()["real_time"] == "yes"
     finally:
