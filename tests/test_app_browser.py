@@ -387,3 +387,37 @@ def test_stop_mid_reply_keeps_what_was_heard_on_the_page_in_the_transcript_and_i
     assert line.get("interrupted") and line["text"] == turn["heard_text"], line
     # The recording holds the voice as far as it was heard, no more and not much less.
     assert mp4_voiced_seconds(rec.video) == pytest.approx(turn["heard_audio_s"], abs=0.3)
+
+
+def audio_received(page) -> dict:
+    """The browser's count of the character's audio samples received and of those it concealed (made up for gaps)."""
+    return page.evaluate("""async () => { let found = null;
+        (await window.talkloop.state.pc.getStats()).forEach((s) => {
+            if (s.type === 'inbound-rtp' && s.kind === 'audio') found = s; });
+        return { received: found.totalSamplesReceived, concealed: found.concealedSamples }; }""")
+
+
+def test_a_slow_engine_keeps_the_voice_whole_holds_the_picture_and_says_so(app):
+    """Each engine step slowed by 0.25 s (about 15 of 24 frames a second): the character's voice still plays on the
+    clock without gaps, the picture holds between the frames the engine makes, and the page says so."""
+    controller, _ = app
+    with sync_playwright() as p:
+        browser, page = scripted_session(p, controller)
+        live = controller.live
+        live.character.before_step = lambda step: time.sleep(0.25)  # the engine thread's own hook
+        time.sleep(2.0)  # the first slowed steps, before the step times show it, may run the buffer dry
+        before = audio_received(page)
+        record, _ = ask_and_hear_the_reply(page, live, piper_speech(LONG_QUESTION))
+        time.sleep(2.0)
+        after = audio_received(page)
+        received, concealed = after["received"] - before["received"], after["concealed"] - before["concealed"]
+        assert received > 48_000 * 4, (before, after)  # over 4 s of the voice's track at 48 kHz
+        assert concealed <= 0.05 * received, (before, after)
+        health = controller.health()
+        assert health["frames_held"] > 0 and health["video_fps_recent"] < 20, health
+        wait_for(lambda: "the voice keeps time" in page.locator("#tl-health").inner_text(), 10, "the page to say so")
+        page.click("#tl-stop")
+        wait_for(lambda: controller.live is None, 30, "the session to stop")
+        browser.close()
+    stats = live.stats
+    assert stats["underruns"] <= 2 and stats["frames_held"] > 0, stats
