@@ -67,6 +67,17 @@ def word_recall(questions: list[str], transcripts: list[str]) -> float:
     return sum(shares) / len(shares)
 
 
+def concealed_share(page) -> dict[str, Any]:
+    """The character's audio as the browser received it: samples received, and those it made up for gaps."""
+    got = page.evaluate("""async () => { let found = null;
+        (await window.talkloop.state.pc.getStats()).forEach((s) => {
+            if (s.type === 'inbound-rtp' && s.kind === 'audio') found = s; });
+        return found && { received: found.totalSamplesReceived, concealed: found.concealedSamples }; }""")
+    if not got or not got["received"]:
+        return {"received_samples": 0, "concealed_share": None}
+    return {"received_samples": got["received"], "concealed_share": round(got["concealed"] / got["received"], 4)}
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """The report; the questions' WAV and the session log live in a folder removed at the end."""
     with tempfile.TemporaryDirectory(prefix="talkloop-bench-") as tmp:
@@ -107,10 +118,12 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             if args.screenshot:
                 time.sleep(1.0)  # one more panel refresh
                 page.screenshot(path=args.screenshot, full_page=True)
+            voice_received = concealed_share(page)
             browser.close()
         live = controller.live
         health = controller.health()
         controller.stop()
+        engine_stats = live.stats if live is not None and live.stats is not None else {}
         barge_ins = _barge_ins(controller, args.barge_ins) if args.barge_ins else None
     finally:
         controller.close()
@@ -129,7 +142,11 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "spec": health.get("spec", config.spec), **({"spec_choice": health["spec_choice"]} if "spec_choice" in health else {}),
         "device": health.get("device"), "placement": health.get("placement"),
         "weights": health.get("weights"), "agent": config.agent, "replies": health.get("replies"), "browser": browser_name,
-        "engine": {k: health.get(k) for k in ("fps", "step_ms_p50", "step_ms_p95", "underruns", "buffer_depth", "lead", "av_offset_ms")},
+        "engine": {**{k: health.get(k) for k in ("fps", "step_ms_p50", "step_ms_p95", "underruns", "buffer_depth", "lead",
+                                                 "av_offset_ms")},
+                   "video_fps": round(engine_stats.get("video_fps", 0.0), 2), "frames_held": engine_stats.get("frames_held", 0),
+                   "real_time": health.get("real_time")},
+        "voice_at_the_browser": voice_received,
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
         "load_average_before": [round(x, 2) for x in load_before],
         "microphone": {"constraints": config.microphone_constraints(), "peak": round(live.mic_peak, 3) if live else None,
