@@ -295,11 +295,8 @@ def test_a_reply_cut_short_is_in_the_transcript_and_its_recording(tmp_path):
     from voice.tts import PiperTTS
     from voice.loop import VoiceLoopConfig
 
-    class Steps:
-        next_frame = 0
-
     class Character:  # takes the speech; the session's video is not the point here
-        steps = Steps()
+        next_frame = 0
         pushed = clears = 0
 
         def push_audio(self, pcm, rate):
@@ -330,8 +327,10 @@ def test_a_reply_cut_short_is_in_the_transcript_and_its_recording(tmp_path):
     assert cut.text and cut.text.split() == LONG_REPLY[0].split()[: len(cut.text.split())]
     assert any(m["content"] == cut.text + " (interrupted)" for m in _messages(live.transcript))
     rows = [json.loads(line) for line in (live.recorder.folder / "transcript.jsonl").read_text().splitlines()]
-    # the cut line is written when the reply's books close, which on a loaded machine can follow the next question
-    users, replies = [r for r in rows if r["role"] == "user"], [r for r in rows if r["role"] == "assistant"]
+    # the cut line is written when the reply's books close, which on a loaded machine can follow the next question;
+    # a reply all written before the cut (still playing) has its whole line first: the turn's last line wins
+    users = [r for r in rows if r["role"] == "user"]
+    replies = list({r["turn_id"]: r for r in rows if r["role"] == "assistant"}.values())
     assert len(users) == 2 and len(replies) == 2
     assert replies[0]["text"] == cut.text and replies[0]["interrupted"] is True
     assert replies[1]["text"] == "Sure, I'm listening." and "interrupted" not in replies[1]

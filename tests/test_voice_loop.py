@@ -608,3 +608,19 @@ def test_the_trace_keeps_the_longest_silence_inside_a_reply(models, tmp_path, to
         assert 1.0 < record["reply_gap_s"] < 3.0
     else:
         assert record.get("reply_gap_s", 0.0) < 0.05
+
+
+def test_a_cut_reply_counts_the_audio_heard_not_the_pauses_between_its_sentences():
+    """Two sentences with 0.5 s of silence between them (the second was not ready), cut 0.4 s into the second:
+    1.0 + 0.4 s of audio heard over a span of 1.9 s."""
+    from voice.loop import _Turn
+    from voice.trace import TurnTrace
+
+    turn = _Turn(trace=TurnTrace(session_id="s", turn_id=1), start=0)
+    turn.spoken, turn.spoken_at, turn.spoken_s = ["One.", "Two words."], [10.0, 11.5], [1.0, 1.2]
+    assert turn.heard_audio_s(2.2) == 2.2 and turn.heard_span_s() == pytest.approx(2.7)  # not cut: all of it
+    turn.barge_in_t = 11.9
+    assert turn.heard_audio_s(2.2) == pytest.approx(1.4) and turn.heard_span_s() == pytest.approx(1.9)
+    turn.barge_in_t = 11.2  # in the pause: the first sentence alone
+    assert turn.heard_audio_s(2.2) == pytest.approx(1.0) and turn.heard_span_s() == pytest.approx(1.0)
+    assert turn.heard() == "One."

@@ -239,10 +239,22 @@ class _Turn:
             self.attempt.stop.set()
 
     def heard_audio_s(self, reply_audio_s: float) -> float:
-        """Seconds of the reply's audio the user heard: all of it, or with a cut, what played before it."""
+        """Seconds of the reply's audio the user heard: all of it, or with a cut, what played before it (each
+        sentence's share played by then: the pauses between sentences are not audio)."""
         if self.barge_in_t is None or not self.spoken_at:
             return reply_audio_s
-        return min(reply_audio_s, max(0.0, self.barge_in_t - self.spoken_at[0]))
+        cut = self.barge_in_t
+        played = sum(min(seconds, max(0.0, cut - at)) for at, seconds in zip(self.spoken_at, self.spoken_s))
+        return min(reply_audio_s, played)
+
+    def heard_span_s(self) -> float:
+        """From the start of the reply's first sentence to the end of what played before the cut (the pauses
+        between sentences included): how long the voice ran, as a recording shows it."""
+        if not self.spoken_at:
+            return 0.0
+        cut = self.barge_in_t if self.barge_in_t is not None else float("inf")
+        ends = [min(at + seconds, cut) for at, seconds in zip(self.spoken_at, self.spoken_s) if at < cut]
+        return max(ends, default=self.spoken_at[0]) - self.spoken_at[0]
 
     def heard(self) -> str:
         """The reply as far as the user heard it: every sentence sent to be spoken, or with a cut (a barge-in, a
@@ -619,6 +631,7 @@ class VoiceLoop:
             info["heard_audio_s"] = round(turn.heard_audio_s(info.get("reply_audio_s", 0.0)), 3)
             if turn.barge_in_t is not None:
                 info["heard_text"] = turn.heard()
+                info["heard_span_s"] = round(turn.heard_span_s(), 3)
 
     def _cancel(self, turn: _Turn, status: str) -> None:
         turn.cancel()
