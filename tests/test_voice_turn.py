@@ -9,7 +9,7 @@ from voice import turn as turn_module
 from voice.asr import WhisperASR
 from voice.loop import LoopEvent, RecordingSink, VoiceLoop, VoiceLoopConfig, feed_audio
 from voice.samples import piper_speech, speech_bounds, with_silence
-from voice.turn import SmartTurn, log_mel_features, model_path, unfinished_words
+from voice.turn import SmartTurn, asks_something, log_mel_features, model_path, unfinished_words
 from lab.turn_bench import paused_speech
 
 
@@ -136,6 +136,17 @@ def test_the_model_is_asked_ahead_and_a_complete_turn_ends_at_the_minimum_delay_
     ("I went to the market this morning and.", True), ("Can you tell me about the", True)])
 def test_words_that_cannot_end_a_turn(words, unfinished):
     assert unfinished_words(words) is unfinished
+
+
+@pytest.mark.parametrize("words, asks", [
+    ("What is your name?", True), ("What day is it today.", True), ("My favourite colour is green, what is yours.", True),
+    ("Do you like music", True), ("Tell me about the moon and the stars.", True), ("Please sing me a song.", True),
+    ("When I was young I lived in Paris, where do you live.", True),
+    ("My favourite colour is green.", False), ("I would like a cup of tea.", False), ("Thank you, that was fun.", False),
+    ("I tried to bake some bread.", False), ("When you have a moment.", False), ("Can you tell me about the", False),
+    ("What I wanted to say is,", False), ("", False)])
+def test_words_that_ask_the_character_something(words, asks):
+    assert asks_something(words) is asks
 
 
 def test_an_opening_clause_the_model_finds_complete_waits_for_the_rest():

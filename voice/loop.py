@@ -34,7 +34,7 @@ from .asr import WhisperASR
 from .spoken import spoken_stream
 from .trace import SessionTrace, TurnTrace, now
 from .tts import PiperTTS, SentenceSplitter
-from .turn import SmartTurn, unfinished_words
+from .turn import SmartTurn, asks_something, unfinished_words
 from .vad import WINDOW, StreamingVAD, VADConfig
 
 log = logging.getLogger(__name__)
@@ -125,9 +125,9 @@ class VoiceLoopConfig:
     partial_interval_s: float = 0.7  # re-transcribe the growing turn this often while the user talks
     output_sample_rate: int = 16000  # the engine takes 16 kHz; WebRTC wants 48 kHz
     barge_in: bool = True
-    first_clause_min_words: int = 3  # the reply's first clause is spoken at a comma once it has this many words
+    first_clause_min_words: int = 1  # the reply's first clause is spoken at a comma once it has this many words
     # until this many words have gone, each clause goes at first_clause_min_words (1: the first clause only)
-    reply_lead_words: int = 1
+    reply_lead_words: int = 8
     # Start the reply at the user's pause, before the end of the turn is confirmed; speak it once it is.
     preemptive_generation: bool = True
     # An agent that can (a local model) reads the user's words while they speak, so its reply starts sooner.
@@ -558,7 +558,7 @@ class VoiceLoop:
 
     def _judge_words(self, turn: _Turn, until: int) -> None:
         """A turn the model found complete (lock held): it ends once the silence reaches min_endpointing_delay
-        (statement_endpointing_delay where its words, all in, are not a question), unless its newest words cannot
+        (statement_endpointing_delay where its words, all in, ask nothing: `asks_something`), unless its newest words cannot
         end it ("When you have a moment."); then it is judged again later."""
         words = turn.words[1]
         if self.config.check_words and unfinished_words(words):
@@ -567,7 +567,7 @@ class VoiceLoop:
             self._ask_judge(turn)
             return
         delay = self.config.min_endpointing_delay
-        asks = turn.words[0] >= turn.voiced_end and words.strip().endswith("?")
+        asks = turn.words[0] >= turn.voiced_end and asks_something(words)
         if asks:
             self._note_question(turn)
         if self.config.check_words and not asks:
@@ -580,7 +580,7 @@ class VoiceLoop:
 
     def _shorten_for_question(self, turn: _Turn) -> None:
         """A turn judged complete before its words were in waits as a statement would; once they are in and ask
-        a question, it ends at min_endpointing_delay (now, if the silence is that long already). Lock held."""
+        a question or a request, it ends at min_endpointing_delay (now, if the silence is that long already). Lock held."""
         if turn is not self._turn or turn.ended or turn.complete_at < 0:
             return
         self._note_question(turn)
@@ -705,7 +705,7 @@ class VoiceLoop:
                 if 0 <= turn.words_awaited <= until and turn is self._turn and not turn.ended:
                     turn.words_awaited = -1
                     self._judge_words(turn, self._history.total)
-                elif until >= turn.voiced_end and text.strip().endswith("?"):
+                elif until >= turn.voiced_end and asks_something(text):
                     self._shorten_for_question(turn)
                 turn.trace.info[f"asr_{kind}_decodes"] = turn.trace.info.get(f"asr_{kind}_decodes", 0) + 1
                 partial = not turn.ended

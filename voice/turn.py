@@ -119,3 +119,25 @@ def unfinished_words(text: str) -> bool:
     # an opening clause is short; a longer run of words without a comma has its main clause too (speech
     # recognition does not always write the comma)
     return bool(_OPENS_A_CONDITION.match(text)) and "," not in text and len(words) <= _OPENING_CLAUSE_WORDS
+
+
+# Openings of a clause that asks the character something: a question word, an inverted verb, or a request.
+_ASKS = re.compile(r"^(what|where|when|who|whom|whose|why|how|which|do|does|did|is|are|was|were|am|can|could|would|"
+                   r"will|shall|should|may|might|have|has|had|isn't|aren't|don't|doesn't|didn't|won't|can't|wouldn't|"
+                   r"couldn't|shouldn't|tell|give|show|explain|describe|say|sing|help|name|recommend|suggest|teach|"
+                   r"remind|read|spell|count|let's|please)\b", re.I)
+
+
+def asks_something(text: str) -> bool:
+    """Whether the words end on a question or a request, which the character is to answer at once: a question
+    mark, or a last clause opened by a question word, an inverted verb or a request ("what is yours", "tell me
+    about the moon"). Speech recognition often leaves the question mark off a short question. Words that cannot
+    end a turn (`unfinished_words`) ask nothing yet."""
+    text = text.strip()
+    if not text or unfinished_words(text):
+        return False
+    if text.endswith("?"):
+        return True
+    last = re.split(r"[,.;:!?]+", text.rstrip(".!;: "))[-1].strip()
+    return bool(_ASKS.match(last))
+
