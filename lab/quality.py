@@ -18,6 +18,10 @@ the median over offsets (LSE-C), `best_offset` where it peaks, and the headline
 `score` is the correlation at offset 0 minus that median: in sync *and* following
 the audio. The ceiling is the renderer's own frames for the same audio; the floor is
 the same frames against audio shuffled in one-second blocks.
+
+`motion` (part of the lipsync report) is the mouth's frame-to-frame change inside a latent
+frame's group of 4 and across groups, against the renderer's own per-frame change on the
+same audio: whether the lips move at 24 Hz or at the latent rate of 6.
 """
 
 from __future__ import annotations
@@ -85,6 +89,22 @@ def mouth_opening(frames: torch.Tensor | np.ndarray, look: str | ch.Look) -> tor
     dark = float(torch.tensor(ch.MOUTH_DARK) @ torch.tensor([0.299, 0.587, 0.114]))
     darkness = ((skin - lum) / (skin - dark).clamp(min=0.05)).clamp(0.0, 1.0)
     return darkness.mean(dim=(1, 2))
+
+
+def mouth_motion(frames: torch.Tensor | np.ndarray, look: str | ch.Look, group: int = 4) -> dict:
+    """How the mouth moves from frame to frame: the mean absolute change of the mouth box's pixels (0..1)
+    between consecutive frames inside a latent frame's group of `group` (frame 0 starts a group) and from
+    one group to the next. A codec that decodes a group as one picture moves only across groups."""
+    x = torch.as_tensor(np.asarray(frames) if not isinstance(frames, torch.Tensor) else frames)
+    if x.ndim != 4 or x.shape[-1] != 3 or x.dtype != torch.uint8 or x.shape[0] < 2 * group:
+        raise ValueError(f"frames must be (T >= {2 * group}, H, W, 3) uint8, got {tuple(x.shape)} {x.dtype}")
+    y0, y1, x0, x1 = mouth_box(look, tuple(x.shape[1:3]))
+    roi = x[:, y0:y1, x0:x1].float() / 255.0
+    change = (roi[1:] - roi[:-1]).abs().mean(dim=(1, 2, 3))  # change[t]: frame t -> t + 1
+    across = (torch.arange(change.shape[0]) % group) == group - 1
+    within_s, across_s = float(change[~across].mean()), float(change[across].mean())
+    return {"within_group": within_s, "across_groups": across_s,
+            "within_to_across": within_s / across_s if across_s > 0 else None, "per_frame": float(change.mean())}
 
 
 def audio_envelope(pcm: np.ndarray | torch.Tensor, n_frames: int, fps: int = 24) -> torch.Tensor:
@@ -210,12 +230,16 @@ def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str |
     rendered, _ = ch.render_audio(pcm, preset, seed=seed, size=spec.image_size, n_frames=n)
     m_gen, m_ren = mouth_opening(generated, preset), mouth_opening(rendered, preset)
     gen_s, ceil_s = sync_scores(m_gen, env, max_offset), sync_scores(m_ren, env, max_offset)
+    motion, rendered_motion = mouth_motion(generated, preset, spec.frames_per_latent), mouth_motion(rendered, preset)
+    motion["within_to_renderer"] = (motion["within_group"] / rendered_motion["per_frame"]
+                                    if rendered_motion["per_frame"] > 0 else None)
     return {
         "spec": spec.name, "preset": preset, "frames": n, "seconds": n / spec.fps, "trained_weights": trained,
         "generated": gen_s, "ceiling": ceil_s,
         "floor": shuffled_floor(m_gen, env, spec.fps, seed=seed, max_offset=max_offset),
         "ceiling_floor": shuffled_floor(m_ren, env, spec.fps, seed=seed, max_offset=max_offset),
         "ratio_to_ceiling": gen_s["score"] / ceil_s["score"] if ceil_s["score"] > 1e-6 else None,
+        "motion": motion, "rendered_motion": rendered_motion,
         "generated_picture": picture_stats(generated), "rendered_picture": picture_stats(rendered),
         "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": device,
     }

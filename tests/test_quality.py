@@ -14,6 +14,7 @@ from engine.audio import SAMPLE_RATE
 from lab.quality import (
     audio_envelope,
     main,
+    mouth_motion,
     mouth_opening,
     offset_correlations,
     picture_stats,
@@ -56,6 +57,17 @@ def test_metric_ranks_synced_above_shifted_above_shuffled(speech):
     assert s_sync["confidence"] > floor["confidence"] + 0.2
 
 
+def test_mouth_motion_tells_a_group_held_as_one_picture_from_per_frame_motion(speech):
+    frames, _ = ch.render_audio(speech[: 4 * SAMPLE_RATE], "ada", seed=2, size=SIZE)
+    moving = mouth_motion(frames, "ada")
+    assert 0.5 < moving["within_to_across"] < 2.0  # the renderer moves every frame alike
+    held = frames[(torch.arange(frames.shape[0]) // 4) * 4]  # each group of 4 shows its first frame
+    still = mouth_motion(held, "ada")
+    assert still["within_group"] == 0 and still["across_groups"] > 0 and still["within_to_across"] == 0
+    with pytest.raises(ValueError, match="frames must be"):
+        mouth_motion(frames[:5], "ada")
+
+
 def test_offsets_are_signed_as_mouth_lag():
     env = torch.randn(200, generator=torch.Generator().manual_seed(0))
     mouth = torch.cat([torch.zeros(3), env[:-3]])  # the mouth trails the audio by 3 frames
@@ -92,8 +104,9 @@ def test_cli_reports_generated_ceiling_and_floor(tmp_path, speech, capsys):
     _write_wav(wav, speech[: 3 * SAMPLE_RATE])
     assert main(["lipsync", "--spec", "tiny", "--audio", str(wav), "--json", "--max-offset", "8"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert {"generated", "ceiling", "floor", "ratio_to_ceiling", "steps_per_second"} <= set(report)
+    assert {"generated", "ceiling", "floor", "ratio_to_ceiling", "steps_per_second", "motion"} <= set(report)
     assert report["frames"] == 72 and report["ceiling"]["score"] > report["floor"]["score"]
+    assert report["rendered_motion"]["per_frame"] > 0 and report["motion"]["within_to_renderer"] is not None
     assert main(["lipsync", "--spec", "tiny", "--audio", str(wav), "--json", "--max-offset", "8", "--minutes", "0.1"]) == 0
     long = json.loads(capsys.readouterr().out)
     assert long["per_minute"] and set(long["first_vs_last"]) == {"score", "confidence", "brightness", "sharpness", "ref_diff"}
