@@ -25,10 +25,9 @@ import torch.distributed as dist
 from engine.character import reference_image
 from engine.config import ModelSpec
 from engine.distributed import DistributedEngine, Placement, _all_reduce
-from engine.kernels import apply_gemm_mode_
 from engine.model import CausalVideoDiT
-from engine.options import EngineOptions, check_options, gpu_list, new_session, options_device
-from engine.parallel import shard_model_
+from engine.options import EngineOptions, apply_gemm_mode_, check_options, gpu_list, new_session, options_device
+from engine.parallel import apply_tensor_parallel
 from engine.playout import PlayoutBuffer
 from engine.realtime import RealtimeCharacter, RemoteSteps
 from engine.weights import load_engine
@@ -101,7 +100,7 @@ def load(options: EngineOptions, spec: ModelSpec, placement: Placement | None) -
     try:
         model, codec, trained = load_engine(spec, weights=options.weights, device="cpu", seed=options.seed)
         if world > 1:
-            shard_model_(model, dist.get_rank(), world, reduce=_all_reduce)
+            apply_tensor_parallel(model, dist.get_rank(), world, reduce=_all_reduce)
         model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         apply_gemm_mode_(model, options.gemm, fuse=device.type == "cuda")
     except BaseException:

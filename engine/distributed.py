@@ -34,8 +34,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import ModelSpec, shard_spec
-from engine.kernels import GEMM_MODES, apply_gemm_mode_
-from engine.options import EngineOptions, new_session
+from engine.kernels import GEMM_MODES
+from engine.options import EngineOptions, apply_gemm_mode_, new_session
+from engine.parallel import TensorParallelBlock, apply_tensor_parallel
 
 # Multicast can take a shared host's GPUs out of service; keep it off for every child process.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -118,26 +119,27 @@ def _all_reduce(y: torch.Tensor) -> torch.Tensor:
 
 
 class OverlappedCombine:
-    """A block's combine with its all-reduce overlapped with the MLP-out GEMM.
+    """A tensor-parallel block's combine with its all-reduce overlapped with the MLP-out GEMM.
 
     Rows are cut into chunks: each chunk's product is reduced asynchronously while the
     next chunk is computed. Used at the steady-state shape only, after `warmup` calls;
     any other shape, and the first calls, take the plain path (one GEMM, one all-reduce).
+    Called with the block whose MLP-out it multiplies by.
     """
 
-    def __init__(self, block, rows: int, chunks: int = 4, warmup: int = 8):
-        self.block, self.rows, self.chunks, self.warmup = block, rows, chunks, warmup
+    def __init__(self, rows: int, chunks: int = 4, warmup: int = 8):
+        self.rows, self.chunks, self.warmup = rows, chunks, warmup
         self.calls = 0
 
-    def __call__(self, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
+    def __call__(self, block, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if a.ndim != 2 or a.shape[0] != self.rows or self.calls <= self.warmup:
-            return _all_reduce(gate_attn * a + gate_mlp * self.block.mlp_out(s))
+            return _all_reduce(gate_attn * a + gate_mlp * block.mlp_out(s))
         y = torch.empty_like(a)
         bounds = torch.linspace(0, self.rows, self.chunks + 1).round().long().tolist()
         pending = []
         for lo, hi in zip(bounds, bounds[1:]):
-            y[lo:hi] = gate_attn * a[lo:hi] + gate_mlp * self.block.mlp_out(s[lo:hi])
+            y[lo:hi] = gate_attn * a[lo:hi] + gate_mlp * block.mlp_out(s[lo:hi])
             pending.append(dist.all_reduce(y[lo:hi], async_op=True))
         for work in pending:
             work.wait()
@@ -145,51 +147,78 @@ class OverlappedCombine:
 
 
 class SymmetricCombine:
-    """A block's combine as one kernel on GPUs: the MLP-out GEMM tile by tile, the gated sum in its
-    epilogue, and the all-reduce over symmetric memory (engine/kernels/gemm_allreduce.py).
+    """A tensor-parallel block's combine as one kernel on GPUs: the MLP-out GEMM tile by tile, the gated sum
+    in its epilogue, and the all-reduce over symmetric memory (engine/kernels/gemm_allreduce.py).
 
-    `__call__` replaces `Block.combine` (bf16 linears); `fp8` is the fused block's `fused_combine`
-    (FP8 linears, activations already quantised). One op (buffer + flags) serves every block, since
-    blocks run one after another. The first `warmup` calls and any other shape take the plain path
-    (the GEMM, then NCCL).
+    `__call__` is a bf16 block's combine; `fp8` a fused FP8 block's `combine_quantized` (activations already
+    quantised). One op (buffer + flags) serves every block, since blocks run one after another. The first
+    `warmup` calls and any other shape take the plain path (the GEMM, then NCCL). Called with the block
+    whose MLP-out it multiplies by.
     """
 
-    def __init__(self, block, rows: int, op, warmup: int = 1):
-        self.block, self.rows, self.op, self.warmup = block, rows, op, warmup
+    def __init__(self, rows: int, op, warmup: int = 1):
+        self.rows, self.op, self.warmup = rows, op, warmup
         self.calls = 0
 
     def _fused_now(self, rows: int) -> bool:
         self.calls += 1
         return rows == self.rows and self.calls > self.warmup
 
-    def __call__(self, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
+    def __call__(self, block, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
         if a.ndim != 2 or not self._fused_now(a.shape[0]):
-            return _all_reduce(gate_attn * a + gate_mlp * self.block.mlp_out(s))
-        return self.op(s.contiguous(), self.block.mlp_out.weight, gate=gate_mlp.contiguous(), residual=a.contiguous(),
+            return _all_reduce(gate_attn * a + gate_mlp * block.mlp_out(s))
+        return self.op(s.contiguous(), block.mlp_out.weight, gate=gate_mlp.contiguous(), residual=a.contiguous(),
                        residual_gate=gate_attn.contiguous())
 
-    def fp8(self, m8: torch.Tensor, sm: torch.Tensor, a: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
-        lin = self.block.mlp_out
+    def fp8(self, block, m8: torch.Tensor, sm: torch.Tensor, a: torch.Tensor, gate_attn: torch.Tensor,
+            gate_mlp: torch.Tensor) -> torch.Tensor:
+        lin = block.mlp_out
         if not self._fused_now(m8.shape[0]):
-            from engine.kernels.fused_block import gated_sum
+            from engine.kernels.fused_block import (
+                gated_sum,  # Triton, an optional dependency: FP8 blocks only
+            )
 
-            return self.block.reduce(gated_sum(a, lin.forward_quantized(m8, sm), gate_attn, gate_mlp))
+            return block.reduce(gated_sum(a, lin.forward_quantized(m8, sm), gate_attn, gate_mlp))
         return self.op(m8, lin.weight8, row_scale=sm.view(-1), col_scale=lin.weight_scale.view(-1), gate=gate_mlp,
                        residual=a, residual_gate=gate_attn)
 
 
-def use_symmetric_combine_(model, rows: int, device: torch.device, **options) -> None:
-    """Every block of a sharded model on a GPU combines through one fused GEMM + all-reduce op
-    (`options`: the op's program layout, e.g. push=True)."""
+class CombiningBlock(TensorParallelBlock):
+    """A tensor-parallel block whose combine is `combine` (an OverlappedCombine or a SymmetricCombine: the
+    MLP-out GEMM and the all-reduce together); built on `block`'s parts, its reduction kept for other paths."""
+
+    def __init__(self, block: TensorParallelBlock, combine: OverlappedCombine | SymmetricCombine):
+        super().__init__(block, block.reduce)
+        self.combiner = combine
+
+    def combine(self, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
+        return self.combiner(self, a, s, gate_attn, gate_mlp)
+
+
+def apply_overlapped_combine(model, rows: int, **options):
+    """Swap every tensor-parallel block for one whose combine overlaps its all-reduce with MLP-out, chunk by chunk
+    (`options`: OverlappedCombine's). Returns the model."""
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = CombiningBlock(block, OverlappedCombine(rows, **options))
+    return model
+
+
+def apply_symmetric_combine(model, rows: int, device: torch.device, **options):
+    """Swap every tensor-parallel block of a model on a GPU for one that combines through one fused GEMM +
+    all-reduce op shared by all (`options`: the op's program layout, e.g. push=True): a fused FP8 block for a
+    FusedBlock with that op as its `combine_quantized`, a CombiningBlock for the rest. Returns the model."""
+    # Triton, an optional dependency: the symmetric combine runs on GPUs only
+    from engine.fused_block import FusedBlock
     from engine.kernels.gemm_allreduce import SymmetricGemmAllReduce
 
     op = SymmetricGemmAllReduce(rows, model.spec.dim, device, **options)
-    for block in model.blocks:
-        combine = SymmetricCombine(block, rows, op)
-        if block.fused_forward is not None:
-            block.fused_combine = combine.fp8
+    for index, block in enumerate(model.blocks):
+        combine = SymmetricCombine(rows, op)
+        if isinstance(block, FusedBlock):
+            model.blocks[index] = block.variant(combine_quantized=combine.fp8)
         else:
-            block.combine = combine
+            model.blocks[index] = CombiningBlock(block, combine)
+    return model
 
 
 @dataclass
@@ -220,7 +249,6 @@ def _get_while_parent_lives(source):
 
 def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, commands, latents: list, outbox) -> None:
     try:
-        from engine.parallel import shard_model_
         from engine.weights import load_engine
 
         device = _device_for(placement, rank)
@@ -232,17 +260,15 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                                 rank=rank, world_size=placement.tp)
         options = job.options
         model, _, _ = load_engine(job.spec, weights=options.weights, device="cpu", seed=options.seed)
-        shard_model_(model, rank, placement.tp, reduce=_all_reduce)
+        apply_tensor_parallel(model, rank, placement.tp, reduce=_all_reduce)
         model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         # Each rank quantises its own shard (per-channel scales of the columns it holds). The MLP branch stays
-        # in line on tensor-parallel ranks: the side stream is measured on one GPU only, not yet beside the
-        # all-reduce and the symmetric-memory combine.
+        # in line on tensor-parallel ranks (docs/kernels.md).
         apply_gemm_mode_(model, options.gemm, fuse=device.type == "cuda", branch_streams=False)
-        if options.fused_allreduce and device.type == "cuda":  # push: the faster layout on two GPUs (docs/benchmarks.md)
-            use_symmetric_combine_(model, job.spec.frame_tokens, device, push=True)
+        if options.fused_allreduce and device.type == "cuda":  # push layout: docs/kernels.md
+            apply_symmetric_combine(model, job.spec.frame_tokens, device, push=True)
         elif options.fused_allreduce:
-            for block in model.blocks:
-                block.combine = OverlappedCombine(block, job.spec.frame_tokens)
+            apply_overlapped_combine(model, job.spec.frame_tokens)
         session = new_session(model, options)
         sent: deque[torch.Tensor] = deque(maxlen=16)
         outbox.put(("ready", rank, None))

@@ -66,15 +66,14 @@ class HeadRMSNorm(nn.Module):
         return head_rms_norm(x, self.weight, self.eps)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale) + shift
 
 
 class Block(nn.Module):
+    """One parallel block, single-device. Speed-ups replace it from outside with a subclass built on its own
+    parts (`share_parts`): engine/parallel.py's tensor-parallel block, engine/fused_block.py's fused FP8 block."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.head_dim = spec.head_dim
@@ -87,24 +86,9 @@ class Block(nn.Module):
         self.mlp_in = nn.Linear(spec.dim, 2 * spec.mlp_hidden, bias=False)  # gate and up, fused
         self.mlp_out = nn.Linear(spec.mlp_hidden, spec.dim, bias=False)
         self.modulation = nn.Parameter(torch.randn(4, spec.dim) / math.sqrt(spec.dim))
-        # Sums the block's partial output across tensor-parallel ranks (engine/parallel.py sets it).
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
-        # Optional inference-only replacement with fused kernels (engine/kernels/fused_block.py).
-        self.fused_forward: Callable | None = None
-        # With fused_forward: MLP-out GEMM + gated sum + all-reduce in one call (engine/distributed.py sets it).
-        self.fused_combine: Callable | None = None
-        # With fused_forward on a GPU: the MLP branch on a side stream beside the attention (quantize_linears_ sets it).
-        self.branch_streams = False
-        # With fused_forward: (FusedPass, this block's index), what the fused blocks of a pass share.
-        self.fused_pass: tuple | None = None
-
-    def reduce_is_identity(self) -> bool:
-        return self.reduce is _identity
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor, attend: Callable) -> torch.Tensor:
         # x (..., N, dim); mod (4, dim) for one noise level, or (4, ..., N, dim) per token
-        if self.fused_forward is not None and x.ndim == 2 and mod.ndim == 2 and not torch.is_grad_enabled():
-            return self.fused_forward(self, x, mod, attend)
         table = self.modulation.view(4, *([1] * (mod.ndim - 2)), -1)
         shift, scale, gate_attn, gate_mlp = (mod + table).unbind(0)
         h = modulate(self.norm(x), shift, scale)
@@ -116,11 +100,24 @@ class Block(nn.Module):
         return x + self.combine(a, F.silu(gate) * up, gate_attn, gate_mlp)
 
     def combine(self, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
-        """gate_attn * a + gate_mlp * mlp_out(s), summed over tensor-parallel ranks: the block's one all-reduce.
+        """gate_attn * a + gate_mlp * mlp_out(s): the block's output before the residual. A tensor-parallel
+        block (engine/parallel.py) sums it over the ranks here: the block's one all-reduce."""
+        return gate_attn * a + gate_mlp * self.mlp_out(s)
 
-        engine/distributed.py may replace it with a version that overlaps the reduction with mlp_out.
-        """
-        return self.reduce(gate_attn * a + gate_mlp * self.mlp_out(s))
+
+def share_parts(new: Block, block: Block) -> Block:
+    """Make `new` (a Block subclass's instance, its nn.Module state not yet set up) hold `block`'s own submodules,
+    parameters and buffers: the same objects, no copies. What a swap function builds its replacement block on."""
+    nn.Module.__init__(new)
+    new.head_dim = block.head_dim
+    for name, child in block.named_children():
+        new.add_module(name, child)
+    for name, param in block.named_parameters(recurse=False):
+        new.register_parameter(name, param)
+    for name, buffer in block.named_buffers(recurse=False):
+        new.register_buffer(name, buffer)
+    new.train(block.training)
+    return new
 
 
 def timestep_embedding(noise_level: torch.Tensor, dim: int) -> torch.Tensor:

@@ -7,8 +7,9 @@ become; `engine/build.py` turns it into a running character. Named presets sit b
     options = parse_options("my-config.json")               # {"preset": "tp2", "kv_dtype": "fp8"}
 
 `check_options` refuses settings that cannot run, here or at all, with an error naming the
-key and value; `new_session` makes the engine session the options describe, in this process
-or in one of the engine's own rank processes.
+key and value; `apply_gemm_mode_` puts a model's block linears in the options' GEMM mode, and
+`new_session` makes the engine session the options describe, in this process or in one of the
+engine's own rank processes.
 """
 
 from __future__ import annotations
@@ -267,6 +268,18 @@ def check_options(options: EngineOptions, spec=None) -> None:
 def options_device(options: EngineOptions) -> torch.device:
     """The device the options name, resolved (auto: a GPU when one is visible)."""
     return pick_device(options.device)
+
+
+def apply_gemm_mode_(model: CausalVideoDiT, mode: str, *, fuse: bool, branch_streams: bool = True) -> CausalVideoDiT:
+    """The model's block linears under `mode` (one of GEMM_MODES), in place: FP8 modes swap in FP8 linears and,
+    with `fuse`, fused FP8 blocks (engine/fused_block.py's apply_fp8_kernels)."""
+    if mode not in GEMM_MODES:
+        raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {mode!r}")
+    if mode != "plain":
+        from engine.fused_block import apply_fp8_kernels  # Triton, an optional dependency: FP8 modes only
+
+        apply_fp8_kernels(model, fuse=fuse, branch_streams=branch_streams, fast_accum=mode == "fp8-fast")
+    return model
 
 
 def new_session(model: CausalVideoDiT, options: EngineOptions, *, attention: dict | None = None) -> EngineSession:

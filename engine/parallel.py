@@ -3,7 +3,8 @@
 A rank keeps its share of the heads and of the MLP: q/k/v and the MLP's gate/up
 projection split by output rows (column-parallel), the attention and MLP output
 projections split by input columns (row-parallel). A block's attention and MLP
-outputs are then partial sums, added and reduced once (`Block.reduce`).
+outputs are then partial sums, added and reduced once: `apply_tensor_parallel` shards the
+weights in place and swaps each block for a `TensorParallelBlock`, whose combine all-reduces.
 """
 
 from __future__ import annotations
@@ -13,7 +14,22 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.model import Block, CausalVideoDiT
+from engine.model import Block, CausalVideoDiT, share_parts
+
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a block's partial output over the ranks, in place or not
+
+
+class TensorParallelBlock(Block):
+    """A sharded block whose combine sums its partial output over the ranks with `reduce`; built on `block`'s own
+    parts (no copies)."""
+
+    def __init__(self, block: Block, reduce: Reduce):
+        share_parts(self, block)
+        self.reduce = reduce
+
+    def combine(self, a: torch.Tensor, s: torch.Tensor, gate_attn: torch.Tensor, gate_mlp: torch.Tensor) -> torch.Tensor:
+        return self.reduce(super().combine(a, s, gate_attn, gate_mlp))
 
 
 def _keep(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
@@ -39,10 +55,12 @@ def shard_block_(block: Block, rank: int, world: int) -> None:
         lin.in_features, lin.out_features = lin.weight.shape[1], lin.weight.shape[0]
 
 
-def shard_model_(model: CausalVideoDiT, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CausalVideoDiT:
-    """Shard every block for `rank` of `world`; `reduce` sums partial block outputs across ranks."""
-    for block in model.blocks:
+def apply_tensor_parallel(model: CausalVideoDiT, rank: int, world: int, reduce: Reduce | None = None) -> CausalVideoDiT:
+    """Shard every block for `rank` of `world`, in place; with `reduce` (what sums partial block outputs across
+    ranks), each block is swapped for a TensorParallelBlock on its sharded parts. Without, the blocks stay plain:
+    one rank's share, its reduction left out (timing a shard alone)."""
+    for index, block in enumerate(model.blocks):
         shard_block_(block, rank, world)
         if reduce is not None:
-            block.reduce = reduce
+            model.blocks[index] = TensorParallelBlock(block, reduce)
     return model

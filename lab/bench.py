@@ -25,7 +25,7 @@ from engine.cache import ReferenceKVCache, RingKVCache, attention
 from engine.config import SPECS, ModelSpec, get_spec, shard_spec
 from engine.model import CausalVideoDiT
 from engine.options import EngineOptions, new_session
-from engine.parallel import shard_model_
+from engine.parallel import apply_tensor_parallel
 from engine.session import EngineSession
 from engine.weights import pick_device
 from lab.gpu_energy import EnergyMeter, EnergyWindow
@@ -151,6 +151,20 @@ def _device_name(device: torch.device) -> str:
     return "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """The environment variable `name` set to `value` inside the block, and back as it was after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def _optional(context: contextlib.AbstractContextManager | None) -> contextlib.AbstractContextManager:
     """`context`, or one that does nothing where there is none (no NVML meter on this machine)."""
     return context if context is not None else contextlib.nullcontext()
@@ -233,12 +247,12 @@ def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dt
                  fused: bool = True, seed: int = 0, branch_streams: bool = True, fast_accum: bool = True,
                  gemm_kernels: dict[str, str] | None = None) -> CausalVideoDiT:
     """Rank 0's share of a random-weight model at tensor-parallel degree tp, built in place on the device
-    (`gemm_kernels`: FP8 linears' kernels over the engine's defaults, as quantize_linears_ takes them)."""
-    from engine.kernels.fp8_linear import quantize_linears_
+    (`gemm_kernels`: FP8 linears' kernels over the engine's defaults, as apply_fp8_kernels takes them)."""
+    from engine.fused_block import apply_fp8_kernels
 
     with torch.device("meta"):
         model = CausalVideoDiT(spec).to(dtype)  # materialise in the target dtype: the full 57b is 97 GB in bf16
-    shard_model_(model, 0, tp)
+    apply_tensor_parallel(model, 0, tp)
     model = model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
@@ -250,7 +264,7 @@ def random_shard(spec: ModelSpec, tp: int, device: torch.device, dtype: torch.dt
             p.normal_(0.0, 0.02, generator=g)
     model = model.to(dtype)
     if fp8_gemms:
-        quantize_linears_(model, fuse=fused, branch_streams=branch_streams, fast_accum=fast_accum, gemm_kernels=gemm_kernels)
+        apply_fp8_kernels(model, fuse=fused, branch_streams=branch_streams, fast_accum=fast_accum, gemm_kernels=gemm_kernels)
     return model.eval()
 
 
@@ -258,6 +272,7 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
     """Every block linear of one step (passes x blocks), on activations of the step's shape, fed as the
     step feeds them (FP8 linears take pre-quantised inputs where the fused block quantises for them, and the
     out-projection the attention's e4m3 output: no quantisation pass is timed as part of a GEMM)."""
+    from engine.fused_block import FusedBlock
     from engine.kernels.fp8_linear import FP8Linear, quantize_rows_reference
 
     F = spec.frame_tokens
@@ -265,7 +280,7 @@ def _gemms_of_a_step(model: CausalVideoDiT, spec: ModelSpec, device: torch.devic
     h = torch.randn(F, spec.dim, device=device, dtype=dtype)
     a = torch.randn(F, b0.attn_out.in_features, device=device, dtype=dtype)
     m = torch.randn(F, b0.mlp_out.in_features, device=device, dtype=dtype)
-    if isinstance(b0.qkv, FP8Linear) and b0.fused_forward is not None:
+    if isinstance(b0.qkv, FP8Linear) and isinstance(b0, FusedBlock):
         h8, a8, m8 = quantize_rows_reference(h), quantize_rows_reference(a), quantize_rows_reference(m)
 
         def run() -> None:
@@ -543,15 +558,12 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             time_flipped(bf16_out, "step_ms_with_attention_out_bf16")
             del bf16_out.cache.attend  # the wrapper and its cache refer to each other: freed with the session
             del bf16_out
-            from engine.kernels import launch_pdl, set_pdl
+            from engine.kernels import PDL_ENV, launch_pdl
 
             out["pdl"] = launch_pdl(device)
             if out["pdl"]:  # and with every kernel launched after the one before has ended (its graph captured so)
-                set_pdl(False)
-                try:
+                with _environment(PDL_ENV, "0"):
                     time_flipped(serving(), "step_ms_without_pdl")
-                finally:
-                    set_pdl(None)
             out["flip_rounds"] = FLIP_ROUNDS
         # Breakdown, each part timed alone the way the configuration runs it (graphs for the fast path).
         time_part = (lambda fn: _graph_ms(fn, device, 5)) if fast else (lambda fn: statistics.median(time_ms(fn, device, 5)))
@@ -564,7 +576,7 @@ def bench_step(spec_name: str, tp: int, device: torch.device, steps: int, warmup
             from engine.kernels.rope_write import delta_rotate
 
             L, Hh, S, _ = cache.k.shape
-            from engine.kernels.fused_block import stacked_gains
+            from engine.fused_block import stacked_gains
 
             b0 = model.blocks[0]
             head_norm = (stacked_gains(b0), b0.q_norm.eps)
@@ -643,7 +655,8 @@ def _spawn_ranks(worker: Callable, world: int, *args) -> dict:
 def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: int, warmup: int, path: str) -> None:
     import torch.distributed as dist
 
-    from engine.distributed import use_symmetric_combine_
+    from engine.distributed import apply_symmetric_combine
+    from engine.fused_block import FusedBlock
 
     device = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(device)
@@ -657,18 +670,16 @@ def _step_group_worker(rank: int, world: int, port: int, spec_name: str, steps: 
         dist.all_reduce(y)
         return y
 
+    fused: list[FusedBlock] = list(model.blocks)  # the shard's fused blocks, reduction left out
+
     def run(comm: str) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
-        for block in model.blocks:
-            block.fused_combine = None
-        if comm == "none":  # the same shard with the reduction left out: what communication costs
-            for block in model.blocks:
-                block.reduce = lambda y: y
-        else:
-            for block in model.blocks:
-                block.reduce = all_reduce
-            if comm.startswith("symmetric tiles"):
-                use_symmetric_combine_(model, full.frame_tokens, device, push=comm.endswith("push"))
+        # "none": the same tensor-parallel path with the reduction left out: what communication costs
+        reduce = (lambda y: y) if comm == "none" else all_reduce
+        for index, block in enumerate(fused):
+            model.blocks[index] = block.variant(reduce=reduce)
+        if comm.startswith("symmetric tiles"):
+            apply_symmetric_combine(model, full.frame_tokens, device, push=comm.endswith("push"))
         session = new_session(model, SERVED)
         session.start(ref_latent)
         times, resets = _timed_steps(session, audio, steps, warmup, device, resets=True,
@@ -921,7 +932,7 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
     ga = torch.randn(spec.dim, device=device, dtype=dtype, generator=g)
     gm = torch.randn(spec.dim, device=device, dtype=dtype, generator=g)
     w = block.mlp_out.weight
-    fused = OverlappedCombine(block, rows, chunks=chunks, warmup=0)
+    fused = OverlappedCombine(rows, chunks=chunks, warmup=0)
     y = torch.empty(rows, spec.dim, device=device, dtype=dtype)
 
     def plain() -> torch.Tensor:
@@ -929,7 +940,7 @@ def _allreduce_worker(rank: int, world: int, port: int, device_type: str, repeat
         dist.all_reduce(y)
         return y
 
-    variants = {"unfused_us": plain, "row_chunks_us": lambda: fused(a, s, ga, gm),
+    variants = {"unfused_us": plain, "row_chunks_us": lambda: fused(block, a, s, ga, gm),
                 "gemm_us": lambda: ga * a + gm * block.mlp_out(s), "allreduce_us": lambda: dist.all_reduce(y)}
     checks: dict = {}
     if device.type == "cuda":

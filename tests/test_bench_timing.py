@@ -28,11 +28,12 @@ def test_the_gemm_part_of_a_step_times_the_products_as_the_fused_step_feeds_them
     import torch
 
     from engine.config import get_spec
-    from engine.kernels.fp8_linear import FP8Linear, quantize_linears_
+    from engine.fused_block import apply_fp8_kernels
+    from engine.kernels.fp8_linear import FP8Linear
     from engine.model import build_model
 
     spec = get_spec("tiny")
-    model = quantize_linears_(build_model(spec, seed=1, device="cpu", dtype=torch.float32), fuse=True)
+    model = apply_fp8_kernels(build_model(spec, seed=1, device="cpu", dtype=torch.float32), fuse=True)
     calls = {"forward": 0, "forward_quantized": 0, "swiglu_product": 0}
     for name in calls:
         def counted(self, *args, _name=name, _plain=getattr(FP8Linear, name)):

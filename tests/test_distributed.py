@@ -17,7 +17,7 @@ from engine.codec import StandInCodec
 from engine.distributed import DistributedEngine, OverlappedCombine, Placement, free_port
 from engine.model import build_model
 from engine.options import EngineOptions
-from engine.parallel import shard_model_
+from engine.parallel import apply_tensor_parallel
 from engine.session import EngineSession
 from tests.helpers import TINY, reference_latent, run_script
 
@@ -68,9 +68,9 @@ def test_fp8_linears_in_tensor_parallel_ranks_match_one_process(expected):
     numbers differ from one process's FP8 by rounding only. Tolerance: mean |difference| <= 1
     level of 255, none above 16; and nearer to one process's FP8 frames than to the float ones
     (the ranks really ran in FP8)."""
-    from engine.kernels.fp8_linear import quantize_linears_
+    from engine.fused_block import apply_fp8_kernels
 
-    one = single_process_frames(quantize_linears_(build_model(SPEC6, seed=0), fuse=False)).float()
+    one = single_process_frames(apply_fp8_kernels(build_model(SPEC6, seed=0), fuse=False)).float()
     with DistributedEngine(SPEC6, Placement(cpu_ranks=2), EngineOptions(gemm="fp8"), timeout=120) as engine:
         _, two = engine_frames(engine)
     diff = (two.float() - one).abs()
@@ -170,7 +170,7 @@ def test_closing_after_a_process_died_holding_a_queue_lock_does_not_hang_the_exi
 @torch.no_grad()
 def _combine_worker(rank: int, port: int, path: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    model = shard_model_(build_model(SPEC6, seed=0), rank, 2)
+    model = apply_tensor_parallel(build_model(SPEC6, seed=0), rank, 2)
     block = model.blocks[0]
     g = torch.Generator().manual_seed(10 + rank)
     a = torch.randn(SPEC6.frame_tokens, SPEC6.dim, generator=g)
@@ -178,7 +178,7 @@ def _combine_worker(rank: int, port: int, path: str) -> None:
     ga, gm = torch.randn(SPEC6.dim, generator=g), torch.randn(SPEC6.dim, generator=g)
     plain = ga * a + gm * block.mlp_out(s)
     dist.all_reduce(plain)
-    fused = OverlappedCombine(block, SPEC6.frame_tokens, chunks=3, warmup=0)(a, s, ga, gm)
+    fused = OverlappedCombine(SPEC6.frame_tokens, chunks=3, warmup=0)(block, a, s, ga, gm)
     if rank == 0:
         torch.save({"plain": plain, "fused": fused, "calls": 1}, path)
     dist.destroy_process_group()

@@ -1,4 +1,8 @@
-"""Pieces shared by the kernels."""
+"""Pieces shared by the kernels: @triton.jit helpers, no kernels or launchers of their own.
+
+Their PyTorch counterparts: `to_fp8` is a saturating cast, `x.clamp(-448, 448).to(torch.float8_e4m3fn)`
+(engine/fp8.py's `quantize`); `round_to` is `x.to(dtype).float()`.
+"""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Reads q (H, M, D), the cache's K (H, S, D) and V stored transposed (H, D, S), al
 with one scale per head, and a validity byte per slot (empty ring slots and sink
 padding are masked). Both products run in FP8: q·kᵀ, and P·V with the probabilities
 scaled by 256 before rounding so small ones keep precision. The KV axis can be split
-across programs (flash-decoding): at 757 queries x 20 heads there are too few query
-blocks to fill 132 SMs, so splits are merged afterwards by their log-sum-exp. At FP8 rates
+across programs (flash-decoding): a frame's queries make too few query blocks to fill
+the SMs, so splits are merged afterwards by their log-sum-exp. At FP8 rates
 the softmax's 2^x competes with the products: `exp2` puts it on the special-function unit
 ("mufu"), on the FMA units ("fma", a polynomial), or half on each ("mixed"). With `tma` the
 K and V tiles come through tensor descriptors (Hopper's copy engine) instead of pointer loads.
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import FP_FUSION, interpreting
 from engine.kernels.common import to_fp8
+from engine.kernels.policy import FP_FUSION, interpreting
 
 LOG2E = 1.4426950408889634
 EXP2_UNITS = ("mufu", "fma", "mixed")

@@ -18,9 +18,8 @@ in their own order with `renamed_p=False`, which shuffles P instead).
 
 Both products run in FP8 with probabilities scaled by 256 before rounding, as in fp8_attention.py. As there,
 `exp2` puts the softmax's 2^x on the special-function unit ("mufu"), on the FMA and integer units ("fma",
-fp8_attention.py's polynomial) or half on each ("mixed"); moving it off the special-function unit does not
-pay, so that unit does not bound the kernel alone. Two options take the softmax's elementwise work off the
-units that do:
+fp8_attention.py's polynomial) or half on each ("mixed"); it stays on the special-function unit by default
+(docs/kernels.md). Two options take the softmax's elementwise work off the other units:
 
 - `row_sum="tensor"`: the rows' sums of P come from the tensor cores, a P·1 product (8 columns of ones) issued
   beside P·V, fresh each block and added in FP32, in place of 64 adds a thread and block; the sum is then of the
@@ -34,12 +33,12 @@ units that do:
 
 `tma_out`: each consumer warpgroup writes its output tile to shared memory, and one TMA store sends it out in whole
 lines (rows past M clipped by the copy engine), in place of each thread storing its fragments of a row (16 bytes of
-bf16, 8 of e4m3, per row and store instruction): the same values bit for bit, and faster. Served, at up to 32 KiB
-more shared memory a program with 128-row tiles, which hold one program an SM either way (at 64 rows it would cost
-the second).
+bf16, 8 of e4m3, per row and store instruction): the same values bit for bit. Served, at up to 32 KiB more shared
+memory a program with 128-row tiles, which hold one program an SM either way (at 64 rows it would cost the second).
 
 Hopper only: there is no CPU interpreter for Gluon; tests compile it for sm_90a on any machine and
-hold it to `attention_reference` on a GPU (what was tried: docs/kernels.md).
+hold it to `attention_reference` (fp8_attention.py's PyTorch reference) on a GPU. Choices and what was tried:
+docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -48,10 +47,16 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from engine.kernels import FP_FUSION, WS_HEAD_DIMS
 from engine.kernels.fp8_attention import EXP2_UNITS, _exp2_fma, check_out
+from engine.kernels.policy import FP_FUSION, WS_HEAD_DIMS
 
 WS_EXP2_UNITS = EXP2_UNITS + ("e4m3_bits",)
 
@@ -143,7 +148,7 @@ def _softmax_block(s, valid, all_live, tile, S, scale, m_i, l_i, BLOCK_N: gl.con
         s = gl.where(live[None, :], s, float("-inf"))
     if TREE_MAX:
         m_new = gl.maximum(m_i, _row_max(s, gl.SliceLayout(1, s_layout)) * scale)
-    else:  # the plain reduction (benchmarked beside it)
+    else:  # the plain reduction
         m_new = gl.maximum(m_i, gl.reduce(s, 1, _max) * scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no live slot yet
     alpha = gl.exp2(m_i - m_safe)
@@ -399,8 +404,7 @@ def _attn_ws_kernel(q_desc, k_desc, vt_desc, valid, tile_live, qk_scale, v_scale
 
 # What the ring cache serves when no options are given: P as log-linear e4m3 codes with row sums on the tensor
 # cores, two consumer warpgroups per program, the output through shared memory by TMA. Judged against the plain path
-# by the rerun-variance method (docs/quality.md; the TMA store changes no value); fastest at the production shape
-# (`lab.bench attention`).
+# by the rerun-variance method (docs/quality.md; the TMA store changes no value); why these: docs/kernels.md.
 SERVED_OPTIONS = dict(block_m=128, block_n=128, stages=2, row_sum="tensor", exp2="e4m3_bits", tma_out=True)
 # The options before it: P as the e4m3 value nearest 2^x (the special-function unit's), row sums in FP32.
 NEAREST_P_OPTIONS = dict(block_m=64, block_n=128, stages=3, row_sum="fma", exp2="mufu")

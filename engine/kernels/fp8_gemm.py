@@ -12,10 +12,8 @@ that cuBLAS would write and the SwiGLU pass read back never exists (half the byt
 
 On Hopper the engine serves MLP-in with the SwiGLU form, and q/k/v, the attention's out-projection and MLP-out
 with the plain form in 128x256 tiles where all three outputs tile in 256 columns (FP8Linear; cuBLAS,
-`torch._scaled_mm`, elsewhere); `lab.bench step` times each of them on cuBLAS instead. At the 57b shard's
-N = 7680 the tiles fall short of whole rounds of SMs (180 of 128x256: 1.36 rounds of 132), but in the step the
-other branch's kernels fill the SMs that last round leaves, so one program per SM over every tile serves
-(what was tried: docs/kernels.md).
+`torch._scaled_mm`, elsewhere). Where the tiles fall short of a whole last round of SMs, the other branch's
+kernels fill the SMs that round leaves, so one program per SM over every tile serves (docs/kernels.md).
 On the CPU it runs under TRITON_INTERPRET=1; `fp8_gemm_reference` is the plain PyTorch computation.
 """
 
@@ -26,8 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels import FP_FUSION, interpreting, pdl_launch
 from engine.kernels.common import round_to, wait_for_previous_kernel
+from engine.kernels.policy import FP_FUSION, interpreting, pdl_launch
 
 
 @triton.jit

@@ -19,8 +19,10 @@ import triton.language as tl
 from torch import nn
 
 from engine import fp8
-from engine.kernels import FP_FUSION, interpreting, pdl_launch
 from engine.kernels.common import to_fp8, wait_for_previous_kernel
+from engine.kernels.fp8_gemm import FP8GEMM, interleave_gate_up
+from engine.kernels.fused_block import swiglu_quant
+from engine.kernels.policy import FP_FUSION, hopper_feature, interpreting, pdl_launch
 
 log = logging.getLogger("talkloop.kernels")
 
@@ -69,8 +71,6 @@ class FP8Linear(nn.Module):
         # (fp8_gemm.interleave_gate_up): the order the Triton kernel's SwiGLU form reads. Outputs keep
         # the [gate | up] order either way; only `swiglu_quantized` reads the stored order directly.
         if gate_up_block:
-            from engine.kernels.fp8_gemm import interleave_gate_up
-
             w = interleave_gate_up(w, gate_up_block)
         self.gate_up_block = gate_up_block
         sw = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / fp8.FP8_MAX  # (N, 1)
@@ -103,8 +103,6 @@ class FP8Linear(nn.Module):
     def _triton_gemm(self, swiglu: bool):
         key = (swiglu, self.fast_accum, self.block_n)
         if key not in self._launchers:
-            from engine.kernels.fp8_gemm import FP8GEMM
-
             self._launchers[key] = FP8GEMM(self.weight8, self.weight_scale, swiglu=swiglu, fast_accum=self.fast_accum,
                                            block_n=self.gate_up_block if swiglu else self.block_n)
         return self._launchers[key]
@@ -129,8 +127,6 @@ class FP8Linear(nn.Module):
         """For a [gate | up] linear (out_features 2H): silu(gate) * up of the product, (M, H), as per-row FP8 and
         scales (M, 1). The Triton kernel forms it in the product's epilogue, so the (M, 2H) product is never
         stored; otherwise the product is stored in bf16 and a fused pass reads it back."""
-        from engine.kernels.fused_block import swiglu_quant
-
         if not self.use_scaled_mm:  # the reference: the product in [gate | up] order
             return swiglu_quant(self.forward_quantized(x8, sx))
         y = self.swiglu_product(x8, sx)
@@ -152,8 +148,7 @@ GEMM_WORKSPACE_ENV = "CUBLASLT_WORKSPACE_SIZE"  # KiB; torch reads it at its fir
 def prefer_static_gemm_schedule() -> bool:
     """Run cuBLASLt without a workspace, unless the user set its size: its FP8 kernels at the step's
     shapes then use a static tile schedule instead of a dynamic one whose counter is zeroed by a
-    memset before every call (a graph node, and a launch gap, per GEMM: 960 a step for the 57b
-    shard; the step is faster without them, docs/kernels.md). Torch reads the setting at
+    memset before every call (a graph node, and a launch gap, per GEMM; docs/kernels.md). Torch reads the setting at
     its first cuBLASLt call in the process and keeps it for every cuBLASLt GEMM after, so it
     takes effect only if no GEMM ran on the GPU before; returns whether this call set it."""
     if os.environ.get(GEMM_WORKSPACE_ENV) is not None:
@@ -184,8 +179,6 @@ def swiglu_block(out_features: int) -> int:
 @functools.cache
 def triton_fp8_gemm_runs(device_index: int) -> bool:
     """A Hopper GPU (sm_90) and a Triton with host-side TMA descriptors; probed once per device."""
-    from engine.kernels import hopper_feature
-
     return hopper_feature(device_index, "Triton FP8 GEMM (MLP-in with SwiGLU in its epilogue; q/k/v and MLP-out where they tile)", "triton.tools.tensor_descriptor",
                           "cuBLAS serves every FP8 linear")
 
@@ -195,10 +188,9 @@ FP8_GEMM_ENV = "TALKLOOP_FP8_GEMM"  # "auto" (the default) or "cublas": every FP
 
 def default_gemm_kernels(device: torch.device | None, widths: dict[str, int]) -> dict[str, str]:
     """Per block linear, the FP8 product's kernel, from the linears' output widths (`widths`: name -> out_features):
-    on Hopper the Triton SwiGLU form for MLP-in where its gate and up halves tile (it measured faster than cuBLAS
-    plus the SwiGLU pass), and with it the plain form in 128x256 tiles for q/k/v, the out-projection and MLP-out
-    where all three outputs tile in 256 columns (the 57b shard's step at tensor-parallel degree 3 measured faster so
-    than with the out-projection, or q/k/v and MLP-out, on cuBLAS, once the Triton kernels launch with PDL;
+    on Hopper the Triton SwiGLU form for MLP-in where its gate and up halves tile (no (M, 2H) product stored and
+    read back by a SwiGLU pass), and with it the plain form in 128x256 tiles for q/k/v, the out-projection and
+    MLP-out where all three outputs tile in 256 columns (launched with PDL, as cuBLAS's GEMMs are not; why:
     docs/kernels.md); cuBLAS for the rest and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
     choice = os.environ.get(FP8_GEMM_ENV, "auto")
     if choice not in ("auto", "cublas"):
@@ -226,30 +218,23 @@ def hopper_gemm_kernels(widths: dict[str, int]) -> dict[str, str]:
     return chosen
 
 
-def quantize_linears_(model: nn.Module, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False,
-                      gemm_kernels: dict[str, str] | None = None) -> nn.Module:
-    """Swap the blocks' big linears for FP8Linear, in place; with `fuse`, run blocks through the fused kernels
-    (on a GPU with `branch_streams`, each block's MLP branch on a side stream beside its attention);
-    `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation (GPU only); `gemm_kernels`: the FP8
-    product's kernel per linear name (FP8_GEMM_KERNELS), over `default_gemm_kernels` (cuBLAS for a linear named in neither)."""
+def quantize_linears_(model: nn.Module, fast_accum: bool = False, gemm_kernels: dict[str, str] | None = None) -> nn.Module:
+    """Swap the blocks' big linears for FP8Linear, in place (the fused block that runs them around its own kernels:
+    engine/fused_block.py's apply_fp8_kernels). `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation
+    (GPU only); `gemm_kernels`: the FP8 product's kernel per linear name (FP8_GEMM_KERNELS), over
+    `default_gemm_kernels` (cuBLAS for a linear named in neither)."""
     on_gpu = [p.device for p in model.parameters() if p.is_cuda]
     defaults = default_gemm_kernels(on_gpu[0] if on_gpu else None, linear_widths(model.blocks[0]))
     gemm_kernels = {**defaults, **(gemm_kernels or {})}
     if unknown := set(gemm_kernels) - set(BLOCK_LINEARS):
         raise ValueError(f"gemm_kernels names {sorted(unknown)}; the block linears are {', '.join(BLOCK_LINEARS)}")
-    from engine.kernels.fused_block import FusedPass, block_forward
-
     if on_gpu:
         prefer_static_gemm_schedule()
-    shared = FusedPass(model.blocks)
-    for index, block in enumerate(model.blocks):
-        block.fused_pass = (shared, index)
+    for block in model.blocks:
         for name in BLOCK_LINEARS:
             linear = getattr(block, name)
             if not isinstance(linear, FP8Linear):
                 # MLP-in's gate and up rows interleaved where they tile (the Triton kernel's SwiGLU form reads them so)
                 setattr(block, name, FP8Linear(linear, fast_accum=fast_accum, gemm_kernel=gemm_kernels.get(name, "cublas"),
                                                gate_up_block=swiglu_block(linear.out_features) if name == "mlp_in" else 0))
-        block.fused_forward = block_forward if fuse else None
-        block.branch_streams = fuse and branch_streams
     return model

@@ -17,6 +17,10 @@ Pairs are adjacent dims (2j, 2j+1), as in engine/rope.py; cos/sin tables are
 `write_frame` stays a kernel of its own rather than the q/k/v GEMM's epilogue: the most that fusion could save
 (the step with no frame write at all) is small next to the cost of the epilogue's norms, rotation and V's
 transposed store (docs/kernels.md). On the CPU the kernels run under TRITON_INTERPRET=1.
+
+The PyTorch reference is the ring cache's torch backend, engine/cache.py's RingKVCache: `write` (with
+engine/model.py's `apply_head_norm` and engine/rope.py's `apply_rope`) for `write_frame`, its sink path in
+`write_sink_keys` for `rope_store`, and `rotate_window` for `delta_rotate`.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import FP_FUSION, interpreting, pdl_launch
 from engine.kernels.common import round_to, to_fp8, wait_for_previous_kernel
+from engine.kernels.policy import FP_FUSION, interpreting, pdl_launch
 
 
 @triton.jit
@@ -109,8 +113,7 @@ def write_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     With `head_norm` ((3, H, D) gains of q, k, v; eps), q, k, v are raw projections (any strides with a
     contiguous last dim, e.g. views of the (F, 3*H*D) QKV output) and get their per-head RMS norms here.
     Small token blocks (16 rows, 8 warps) keep more rows in flight across the SMs than blocks of 64
-    (`lab.bench step` times the cache upkeep both ways); blocks of 32 rows gained no more than the spread
-    between runs, so the write keeps 16 rows (docs/kernels.md).
+    (docs/kernels.md).
     With `pv_order`, V's slots go where the warp-specialised attention kernel reads them
     (fp8_attention_ws.pv_slot_order): one more token block per head, as the blocks of V's columns start at the
     frame's first 16-aligned slot; block_t a multiple of 16."""

@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 from engine.kernels.fp8_gemm import FP8GEMM, fp8_gemm_reference, interleave_gate_up  # noqa: E402
 from engine.kernels.fp8_linear import FP8Linear, default_gemm_kernels  # noqa: E402
 from engine.kernels.fused_block import swiglu_quant  # noqa: E402
-from tests.helpers import rel  # noqa: E402
+from tests.helpers import rel, run_session  # noqa: E402
+from tests.kernels.shared import kernel_model  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -217,6 +218,26 @@ def test_the_gemm_kernel_builds_for_hopper():
     """The GEMM kernel compiles for sm_90a in both forms with the launcher's tiles (TMA descriptors, wgmma, the
     flattened tile loop) and fits a block's shared memory, on any machine (ptxas ships with Triton)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("built"), out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU")
+def test_block_linears_on_the_triton_gemm_track_cublas_through_a_session():
+    """As served on Hopper where the outputs tile (this spec's do): all four block linears on the Triton FP8 GEMM, the
+    out-projection reading the attention's e4m3 output; against the same weights with every product on cuBLAS."""
+    import copy
+
+    from engine.fused_block import apply_fp8_kernels
+    from engine.kernels.fp8_linear import BLOCK_LINEARS
+
+    model = kernel_model()
+    served = apply_fp8_kernels(copy.deepcopy(model), fuse=True, fast_accum=True)
+    assert {getattr(served.blocks[0], n).gemm_kernel for n in BLOCK_LINEARS} == {"triton"}
+    cublas = apply_fp8_kernels(model, fuse=True, fast_accum=True, gemm_kernels=dict.fromkeys(BLOCK_LINEARS, "cublas"))
+    kw = dict(cache="ring", kv_dtype="fp8", backend="triton", cuda_graph=True)
+    fast, slow = run_session(served, 8, **kw), run_session(cublas, 8, **kw)
+    rel = ((fast.float() - slow.float()).norm() / slow.float().norm()).item()
+    assert rel <= 1e-2, rel

@@ -22,7 +22,9 @@ from engine.kernels import attention_kernel  # noqa: E402
 from engine.kernels.fp8_attention import attention_reference, qk_scale  # noqa: E402
 from engine.kernels.fp8_attention_ws import (HOPPER_SM, WarpSpecializedFP8Attention, compile_for_hopper,  # noqa: E402
                                              e4m3_log_linear, programs_per_sm, pv_slot_order)
-from tests.helpers import rms_heads  # noqa: E402
+from engine.cache import RingKVCache  # noqa: E402
+from tests.helpers import rms_heads, run_session  # noqa: E402
+from tests.kernels.shared import DEVICE, SPEC, kernel_model  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -195,7 +197,7 @@ def test_the_probe_builds_the_kernel_and_falls_back_where_this_triton_cannot(mon
     Triton versions turns it off with one log line (the Triton kernel serves) instead of failing at the first call."""
     import logging
 
-    from engine.kernels import _build_ws_attention, hopper_feature
+    from engine.kernels.policy import _build_ws_attention, hopper_feature
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "a Hopper GPU")
@@ -392,3 +394,32 @@ def test_tma_out_writes_the_same_output_bit_for_bit(block_m, S):
             outs.append(buffer)
         assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
         assert (outs[1][M:].float() == 7.0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("p_options, tolerance", [({}, 3e-2), ({"exp2": "mufu", "row_sum": "fma"}, 2e-2)])
+def test_warp_specialized_attention_session_tracks_the_pytorch_fp8_session(p_options, tolerance):
+    """As served (P as log-linear e4m3 codes, row sums on the tensor cores): within 3% of the PyTorch FP8 session
+    after 8 steps; with P the e4m3 value nearest 2^x and FP32 row sums, within 2%."""
+    model = kernel_model()
+    ring = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="torch")
+    fast = run_session(model, 8, cache="ring", kv_dtype="fp8", backend="triton", attention_options=dict(kernel="ws", **p_options))
+    rel = ((fast.float() - ring.float()).norm() / ring.float().norm()).item()
+    assert rel <= tolerance
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU")
+def test_the_ring_serves_the_warp_specialised_kernel_s_served_options_changed_only_where_told():
+    from engine.kernels.fp8_attention_ws import SERVED_OPTIONS
+
+    g = torch.Generator().manual_seed(0)
+    gains = [(torch.rand(SPEC.n_heads, SPEC.head_dim, generator=g) + 0.5).to(DEVICE) for _ in range(SPEC.n_blocks)]
+    kw = dict(q_gains=gains, kv_dtype="fp8", reset_every=5, device=DEVICE, backend="triton")
+    served = RingKVCache(SPEC, gains, gains, **kw)
+    assert served.attention_kernel == "ws" and served.attention_options == SERVED_OPTIONS
+    assert (served.attention.exp2, served.attention.row_sum, served.attention.block_m) == ("e4m3_bits", "tensor", 128)
+    told = RingKVCache(SPEC, gains, gains, attention_options={"kernel": "ws", "stages": 3}, **kw)  # one setting changed
+    assert told.attention_options == {**SERVED_OPTIONS, "stages": 3}
+    assert (told.attention.exp2, told.attention.block_m, told.attention.stages) == ("e4m3_bits", 128, 3)
