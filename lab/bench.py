@@ -715,10 +715,10 @@ def bench_step_group(spec_name: str, world: int, steps: int, warmup: int) -> dic
     return _spawn_ranks(_step_group_worker, world, spec_name, steps, warmup)
 
 
-ATTENTION_REL_ERR = 3e-2  # relative error against attention_reference that tests/test_attention_ws.py allows
+ATTENTION_REL_ERR = 3e-2  # relative error against attention_reference that tests/kernels/test_fp8_attention_ws.py allows
 # ... and for P as log-linear e4m3 codes (exp2="e4m3_bits"): its codes lie up to 7.5% off 2^x where the nearest
 # e4m3 value lies 5.9% off, so its error is larger by construction; what allows it is its change to the served
-# clips, within the rerun band (docs/quality.md). tests/test_attention_ws.py holds it to this bound.
+# clips, within the rerun band (docs/quality.md). tests/kernels/test_fp8_attention_ws.py holds it to this bound.
 ATTENTION_REL_ERR_LOG_LINEAR = 4e-2
 
 

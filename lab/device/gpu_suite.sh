@@ -23,7 +23,7 @@ cat "$OUT/gpu.txt"
 run() { echo "== $*" >&2; "$@"; }
 for part in $parts; do
   if [[ $part == tests || $part == all ]]; then
-    run python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_gemm.py tests/test_cublaslt.py tests/test_attention_ws.py tests/test_cache.py tests/test_session.py tests/test_parallel.py tests/test_gemm_allreduce.py tests/test_gpu_energy.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5
+    run python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_cache.py tests/test_session.py tests/test_parallel.py tests/test_gpu_energy.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5
   fi
   if [[ $part == attention || $part == all ]]; then
     run python3 -m lab.bench attention --tp-shard 3 --json > "$OUT/attention_tp3.json" && python3 -c "import json;r=json.load(open('$OUT/attention_tp3.json'));print({k:r[k] for k in ('sdpa_bf16_us','speedup','fp8_tflops','sdpa_tflops')}, r['fp8_best'])"
@@ -64,7 +64,7 @@ for part in $parts; do
       > "$OUT/soak_demo.json" && python3 -c "import json;r=json.load(open('$OUT/soak_demo.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
   fi
   if [[ $part == x2 ]]; then  # two GPUs: correctness, the step with communication, the fused all-reduce, the decoder's own GPU
-    run python3 -m pytest -q -p no:cacheprovider tests/test_gemm_allreduce.py tests/test_distributed.py -k "two_gpus or one_rank" \
+    run python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemm_allreduce.py tests/test_distributed.py -k "two_gpus or one_rank" \
       2>&1 | tee "$OUT/pytest_gpu_x2.txt" | tail -3
     run python3 -m lab.bench step --spec characters-57b --world 2 --json > "$OUT/step_57b_x2.json" && cat "$OUT/step_57b_x2.json"
     run python3 -m lab.bench allreduce --json > "$OUT/allreduce_57b_x2.json" && tail -c 600 "$OUT/allreduce_57b_x2.json"
