@@ -91,12 +91,13 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from app.config import build_config
     from app.controller import Controller
     from lab.voice_bench import QUESTIONS
-    from voice.samples import sample_speech
+    from voice.samples import piper_speech, sample_speech
 
     config = build_config(args.config, dict(spec=args.spec, device=args.device, port=free_port(), record=False,
                                             session_log=str(tmp / "sessions.jsonl")))
     questions = QUESTIONS[: args.utterances]
-    wav = conversation_wav(tmp / "questions.wav", [sample_speech(q) for q in questions], gap_s=args.gap_s,
+    speak = piper_speech if args.voice == "piper" else sample_speech
+    wav = conversation_wav(tmp / "questions.wav", [speak(q) for q in questions], gap_s=args.gap_s,
                            noise_rms=args.noise_rms)
     controller = Controller(config)
     if controller.failures():
@@ -139,6 +140,7 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "benchmark": "app: end of user speech -> character's voice played in the browser",
         "end_of_speech": "last voiced microphone chunk fed to the voice loop (so end-of-turn detection is counted)",
         "delivered": "first onset of the character's voice played by the browser, reported over the data channel",
+        "questions_voice": args.voice,
         "spec": health.get("spec", config.spec), **({"spec_choice": health["spec_choice"]} if "spec_choice" in health else {}),
         "device": health.get("device"), "placement": health.get("placement"),
         "weights": health.get("weights"), "agent": config.agent, "replies": health.get("replies"), "browser": browser_name,
@@ -206,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="YAML settings for the app (agent, VAD, placement...)")
     p.add_argument("--utterances", type=int, default=5, help="turns to measure (at most 10)")
     p.add_argument("--gap-s", type=float, default=9.0, help="silence after each question, for the reply")
+    p.add_argument("--voice", default="piper", choices=("piper", "espeak"),
+                   help="who asks: the Piper voice (as the voice and turn benches) or espeak-ng (whose speech the "
+                        "end-of-turn model often finds unfinished)")
     p.add_argument("--noise-rms", type=float, default=0.0, help="white noise of this level under the questions "
                    "(the microphone's noise suppression: mic_noise_suppression)")
     p.add_argument("--barge-ins", type=int, default=0, help="then this many barge-ins, measured in the page")

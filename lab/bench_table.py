@@ -118,7 +118,9 @@ voice_e2e = lambda r: (f"{s(r['stages_s']['e2e_latency']['median'])} (p95 {s(r['
                        + (f"; first text {s(r['stages_s']['llm_ttft']['median'])})" if r["agent"] == "local" else ")"))
 agent = lambda r: f"{r['correct_share']:.0%}, {r['follow_up_share']:.0%}, {s(r['first_text_s']['median'])} ({r['turns']} turns)"
 app_e2e = lambda r: (f"{s(r['target']['median_s'])} (p95 {s(r['target']['p95_s'])}); engine {r['engine']['fps']:.1f} fps, "
-                     f"step p50 {r['engine']['step_ms_p50']:.1f} ms")
+                     f"step p50 {r['engine']['step_ms_p50']:.1f} ms"
+                     + (f"; {r['engine']['video_fps']:.1f} new pictures a second, the voice's samples concealed by the "
+                        f"browser {r['voice_at_the_browser']['concealed_share']:.1%}" if "video_fps" in r["engine"] else ""))
 lipsync = lambda r: (f"{r['generated']['score']:.3f} (ceiling {r['ceiling']['score']:.3f}, floor {r['floor']['score']:.3f}): "
                      f"{r['ratio_to_ceiling']:.0%} of the ceiling")
 sv = lambda r: r["serving"]
@@ -184,11 +186,10 @@ SECTIONS = [  # (title, note, rows)
         Row("lip sync, `demo-cpu`, 2-core CPU", "lipsync_demo-cpu_cpu.json", lipsync),
     ]),
     ("Voice loop", "End of speech to the first reply audio, medians over Piper-spoken questions fed in real time.", [
-        Row("end of turn, Smart Turn: delay (paused questions cut early)", "turn_bench_cpu_repeat.json", turn,
+        Row("end of turn, Smart Turn: delay (paused questions cut early)", "turn_bench_cpu_asks.json", turn,
             bound=lambda r: f"<= {r['target']['end_of_turn_delay_median_s']:g} s, {r['target']['cut_early']} cut",
             met=lambda r: mode(r, "smart_turn")["met"]),
-        Row("1.5B model, CPU, lead clauses (`reply_lead_words: 8`, `first_clause_min_words: 1`)",
-            "voice_bench_llm_cpu_defaults_repeat_2.json", voice_e2e, **json_target()),
+        Row("1.5B model, CPU, the defaults", "voice_bench_llm_cpu_lead_3.json", voice_e2e, **json_target()),
         Row("0.5B model (`lite`), CPU", "voice_bench_llm_cpu_05b.json", voice_e2e, **json_target()),
         Row("template agent (since replaced by the model), the GPU machine's CPU", "voice_bench_h200.json", voice_e2e,
             **json_target()),
@@ -200,7 +201,7 @@ SECTIONS = [  # (title, note, rows)
         Row("`demo`, one H200, 1.5B model on the GPU", "app_bench_llm_h200_repeat.json", app_e2e, **json_target(True)),
         Row("`demo`, one H200, 1.5B model on its CPU (8 threads)", "app_bench_llm_h200_cpu_llm.json", app_e2e,
             **json_target(True)),
-        Row("`--spec auto` (`demo-cpu`), 2-core CPU, 1.5B model", "app_bench_auto_cpu.json", app_e2e, **json_target(True)),
+        Row("`--spec auto` (`demo-cpu`), 2-core CPU, 1.5B model", "app_bench_auto_cpu_hold.json", app_e2e, **json_target(True)),
         Row("`tiny`, 2-core CPU, template agent", "app_bench_tiny_cpu_adaptive_lead.json", app_e2e, **json_target(True)),
     ]),
 ]
@@ -221,8 +222,8 @@ COMMANDS = {
     "pipeline_demo_h200.json": "python -m lab.bench pipeline --spec demo --json",
     "lipsync_demo_h200.json": LIPSYNC_CMD.format("demo", "cuda"), "lipsync_demo_cpu.json": LIPSYNC_CMD.format("demo", "cpu"),
     "lipsync_demo-cpu_cpu.json": LIPSYNC_CMD.format("demo-cpu", "cpu"),
-    "turn_bench_cpu_repeat.json": "python -m lab.turn_bench --json",
-    "voice_bench_llm_cpu_defaults_repeat_2.json": "python -m lab.voice_bench --json --utterances 10",
+    "turn_bench_cpu_asks.json": "python -m lab.turn_bench --json --mode smart_turn",
+    "voice_bench_llm_cpu_lead_3.json": "python -m lab.voice_bench --json --utterances 10",
     "voice_bench_llm_cpu_05b.json": "python -m lab.voice_bench --json --utterances 10 --llm qwen2.5-0.5b",
     "voice_bench_h200.json": "python3 lab/device/with_site.py /tmp/site lab.voice_bench --device cpu --json",
     "agent_bench_cpu.json": "python -m lab.agent_bench --json",
@@ -230,7 +231,7 @@ COMMANDS = {
     "app_bench_demo_h200_graph.json": "APP_UTTERANCES=8 bash lab/device/gpu_suite.sh app",
     "app_bench_llm_h200_repeat.json": "python -m lab.app_bench --device cuda --utterances 8 --json (llama-cpp-python's CUDA build)",
     "app_bench_llm_h200_cpu_llm.json": "python -m lab.app_bench --device cuda --utterances 8 --json",
-    "app_bench_auto_cpu.json": "python -m lab.app_bench --device cpu --utterances 4 --json",
+    "app_bench_auto_cpu_hold.json": "python -m lab.app_bench --device cpu --utterances 4 --json",
     "app_bench_tiny_cpu_adaptive_lead.json": "python -m lab.app_bench --spec tiny --utterances 4 --json",
 }
 
