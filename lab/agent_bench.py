@@ -25,7 +25,7 @@ from typing import Any
 
 from voice.llm import DEFAULT_MODEL, MODELS, LocalLLM, LocalLLMAgent
 from voice.options import EXIT_INTERRUPTED, report_failure
-from voice.personas import PERSONAS
+from voice.personas import OUT_OF_CHARACTER, PERSONAS, in_character
 from voice.spoken import spoken_stream
 from voice.trace import summarize
 from voice.tts import SentenceSplitter
@@ -102,8 +102,7 @@ _LIST_OR_MARKUP = re.compile(r"(^|\s)(\d+[.)]|[-*•+])\s|[*_#`|\[\]]|https?://"
 _PICTOGRAPH = re.compile("[\U0001f000-\U0001faff\u2600-\u27bf]")
 _FIGURE = re.compile(r"\d")
 # Out of character: the model speaking of itself as a program. A reply that does is not a right answer.
-_OUT_OF_CHARACTER = re.compile(r"\b(as an ai|an ai\b|language model|artificial intelligence|(have|has) no personal|"
-                               r"(don't|do not) have (personal |any )?(preferences|opinions|feelings|emotions|a body))", re.I)
+_OUT_OF_CHARACTER = OUT_OF_CHARACTER
 
 
 def normalise(text: str) -> str:
@@ -142,11 +141,12 @@ def run_conversations(agent, conversations=CONVERSATIONS) -> list[dict[str, Any]
                         first.append(time.perf_counter() - started)
                     yield chunk
 
-            sentences = tts_sentences(timed(agent.stream_reply(turn.said, history)))
+            written = tts_sentences(timed(agent.stream_reply(turn.said, history)))
             total = time.perf_counter() - started
+            sentences = [s for s in written if in_character(s)]  # what the voice loop says
             reply = " ".join(sentences)
             missing = [f[0] for f in turn.facts if not has_fact(reply, f)]
-            out_of_character = bool(_OUT_OF_CHARACTER.search(reply))
+            out_of_character = bool(_OUT_OF_CHARACTER.search(" ".join(written)))  # the model's, said or not
             results.append({
                 "conversation": number, "kind": turn.kind, "said": turn.said, "reply": reply,
                 "correct": not missing and not out_of_character, "missing": missing,

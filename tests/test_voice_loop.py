@@ -239,6 +239,21 @@ def test_a_written_reply_is_said_as_sentences_without_markup_or_figures(models):
     assert sink.pushes()
 
 
+def test_a_sentence_in_which_the_model_speaks_as_a_program_is_not_said(models, tmp_path):
+    """"As an AI language model, I don't have preferences." is left unsaid; the rest of the reply is said, shown
+    and remembered."""
+    sink, events = FakeEngineSink(), []
+    agent = ScriptedAgent(["As an AI language model, I don't have personal preferences. However, green is a lovely colour."])
+    with make_loop(models, sink, agent=agent, events=events, trace_path=str(tmp_path / "t.jsonl")) as loop:
+        feed_audio(loop, question("What is your favourite colour?"), real_time=False)
+        assert loop.wait_idle(30)
+    assert text_of(events, "agent_done") == ["However, green is a lovely colour."]
+    assert loop.conversation[-1][1] == "However, green is a lovely colour."
+    [record] = [r for r in read_jsonl(tmp_path / "t.jsonl") if r.get("reply_text")]
+    assert record["out_of_character"] == ["As an AI language model, I don't have personal preferences."], record
+    assert sink.pushes()
+
+
 def test_barge_in_while_a_finished_reply_plays_cuts_it_back_to_what_was_heard(models, tmp_path):
     """Synthesis runs ahead of playback: a reply can be whole in the sink, its books closed, and still playing when
     the user cuts in. Its record is rewritten as interrupted and the agent remembers only what was heard."""

@@ -31,6 +31,7 @@ from engine.audio import SAMPLE_RATE, StreamResampler, resample, to_mono_float32
 
 from .agent import ReplyAgent
 from .asr import WhisperASR
+from .personas import in_character
 from .spoken import spoken_stream
 from .trace import SessionTrace, TurnTrace, now
 from .tts import PiperTTS, SentenceSplitter
@@ -927,10 +928,10 @@ class VoiceLoop:
                 self._stamp(turn, attempt, "reply_first_text")
                 reply.append(chunk)
                 self._publish(attempt, [LoopEvent("agent_text", turn.turn_id, chunk)])
-                if not all(self._speak(turn, attempt, sentence) for sentence in splitter.push(chunk)):
+                if not all(self._speak(turn, attempt, sentence) for sentence in self._in_character(turn, splitter.push(chunk))):
                     break
             else:
-                for sentence in splitter.flush():
+                for sentence in self._in_character(turn, splitter.flush()):
                     if not self._speak(turn, attempt, sentence):
                         break
         finally:
@@ -941,11 +942,22 @@ class VoiceLoop:
         if attempt is not None and not self._await_confirmation(attempt):
             return  # dropped: nothing of it was shown or heard
         text = "".join(reply).strip()
+        if turn.trace.info.get("out_of_character"):  # what was said, without the sentences left unsaid
+            text = " ".join(turn.spoken)
         turn.trace.info["reply_text"] = text
         if turn.cancelled.is_set():
             self._emit_interrupted(turn)
         else:
             self._emit([LoopEvent("agent_done", turn.turn_id, text)])
+
+    @staticmethod
+    def _in_character(turn: _Turn, sentences: list[str]) -> list[str]:
+        """The sentences to say: one in which the model speaks of itself as a program is left out, and kept in the
+        trace (`out_of_character`)."""
+        kept = [s for s in sentences if in_character(s)]
+        if len(kept) < len(sentences):
+            turn.trace.info.setdefault("out_of_character", []).extend(s for s in sentences if not in_character(s))
+        return kept
 
     def _stamp(self, turn: _Turn, attempt: _Attempt | None, name: str) -> None:
         """Stamp the turn's trace now, or hold the stamp with a reply not yet confirmed."""

@@ -8,6 +8,7 @@ otherwise answers "as an AI I have no preferences").
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -57,3 +58,14 @@ def persona_for(preset: str, name: str | None = None) -> Persona:
 def system_prompt(persona: Persona, template: str | None = None) -> str:
     """The system prompt for persona: {name} and {personality} filled in (other braces are left as they are)."""
     return (template or SYSTEM_PROMPT).replace("{name}", persona.name).replace("{personality}", persona.personality)
+
+
+# The model speaking of itself as a program. A small model sometimes does despite the prompt; such a sentence is
+# never said (the rest of the reply is).
+OUT_OF_CHARACTER = re.compile(r"\b(as an ai|an ai\b|language model|artificial intelligence|(have|has) no personal|"
+                              r"(don't|do not) have (personal |any )?(preferences|opinions|feelings|emotions|a body))", re.I)
+
+
+def in_character(sentence: str) -> bool:
+    """False for a sentence or clause in which the model speaks of itself as a program ("As an AI language model,")."""
+    return not OUT_OF_CHARACTER.search(sentence)
