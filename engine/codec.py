@@ -1,6 +1,6 @@
 """The codec: 4 RGB frames <-> one latent frame.
 
-`Codec` is what the engine asks of one: `decode(latent) -> (4, H, W, 3) uint8` and
+`Codec` is what the engine asks of one: `decode(latent, audio) -> (4, H, W, 3) uint8` and
 `encode_reference(image) -> latent`, the frame a session starts from. Two implement it:
 `TrainedCodec`, loaded from a checkpoint, and `StandInCodec` (right shapes, no training:
 a fixed random per-pixel projection, upsampled) for tests and for a DiT run without one.
@@ -13,13 +13,23 @@ unit variance over the training data: the scale the DiT's noise assumes.
 
 A single picture (the session's reference) is encoded as that picture held for 4
 frames.
+
+An audio-conditioned decoder (`CodecConfig.audio_mels` > 0) also reads the log-mel rows of
+its 4 frames (the engine's per-video-frame features, `engine.mel`), with `audio_context`
+frames either side: a small MLP embeds each frame's rows, and the 4 embeddings set a
+scale and shift per channel (FiLM) after the latent blocks, after each up-sampling stage
+and after the output's GroupNorm. The latent holds a group of 4 frames nearly as one
+picture; the audio lets the mouth change from frame to frame and follow each frame's own
+sound. The FiLM layers start at zero, so an audio decoder initialised from an audio-free
+one decodes exactly as it did until it is trained. `decode_step` cuts the rows a codec
+reads from a step's audio window (the DiT's), for the engine's local and remote decoders.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -35,8 +45,10 @@ class Codec(Protocol):
     """What the engine asks of a codec (the realtime loop, the decoder processes, generate)."""
 
     spec: ModelSpec
+    audio_mels: int  # 0: decode ignores audio
+    audio_context: int  # audio frames read either side of the 4
 
-    def decode(self, latent: torch.Tensor) -> torch.Tensor: ...  # (C, h, w) -> (4, H, W, 3) uint8
+    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor: ...  # (C, h, w) -> (4, H, W, 3) uint8
 
     def encode_reference(self, image: torch.Tensor) -> torch.Tensor: ...  # (H, W, 3) uint8 -> (C, h, w)
 
@@ -53,8 +65,34 @@ def check_image(image: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     return image.permute(2, 0, 1)  # (3, H, W) in [0, 1]
 
 
+def step_audio_rows(window: torch.Tensor, spec: ModelSpec, context: int) -> torch.Tensor:
+    """The rows of a step's audio window (audio_window, n_mels: video frames first - spec.audio_context on, as
+    the DiT gets it) that a decoder with `context` frames either side reads: frames first - context ..
+    first + frames_per_latent + context - 1."""
+    if not 0 <= context <= spec.audio_context:
+        raise ValueError(f"a decoder's audio context ({context}) must lie within the step's ({spec.audio_context})")
+    if window.ndim != 2 or window.shape[0] != spec.audio_window:
+        raise ValueError(f"a step's audio window must have {spec.audio_window} rows, got shape {tuple(window.shape)}")
+    lo = spec.audio_context - context
+    return window[lo:lo + spec.frames_per_latent + 2 * context]
+
+
+def decode_step(codec: Codec, latent: torch.Tensor, window: torch.Tensor | None, spec: ModelSpec) -> torch.Tensor:
+    """One step's frames: the codec decodes `latent` with the rows of the step's audio `window` it reads
+    (an audio-free codec is called with the latent alone)."""
+    if not getattr(codec, "audio_mels", 0):
+        return codec.decode(latent)
+    if window is None:
+        raise ValueError("this codec is audio-conditioned: the step's audio window must come with its latent")
+    return codec.decode(latent, audio=step_audio_rows(window, spec, codec.audio_context))
+
+
 class StandInCodec(nn.Module):
-    """Right shapes, no training: the codec of tests, and of a DiT loaded without a trained codec beside it."""
+    """Right shapes, no training: the codec of tests, and of a DiT loaded without a trained codec beside it.
+    It takes no audio: `decode` accepts and ignores it."""
+
+    audio_mels = 0
+    audio_context = 0
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
         super().__init__()
@@ -65,7 +103,7 @@ class StandInCodec(nn.Module):
         self.register_buffer("to_latent", torch.randn(c, 3, generator=g))
 
     @torch.no_grad()
-    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
         k = self.spec.frames_per_latent
         rgb = torch.einsum("oc,chw->ohw", self.to_rgb.to(latent), latent)  # (4*3, h, w)
         rgb = F.interpolate(rgb[None].float(), size=self.spec.image_size, mode="bilinear", align_corners=False)[0]
@@ -89,18 +127,37 @@ class CodecConfig:
     enc_widths: tuple[int, ...]  # one per resolution level, image resolution first
     dec_widths: tuple[int, ...]  # latent resolution up to half the image's; the last step is a pixel shuffle
     latent_blocks: int = 2  # residual blocks at the latent resolution in the decoder
+    audio_mels: int = 0  # log-mel bands of each frame's audio the decoder reads; 0: no audio (the original decoder)
+    audio_context: int = 0  # frames of audio either side of each decoded frame
+    audio_embed: int = 32  # width of one frame's audio embedding (with audio_mels > 0)
 
     def __post_init__(self) -> None:
         n = self.levels
         if len(self.enc_widths) != n + 1 or len(self.dec_widths) != n:
             raise ValueError(f"codec {self.name}: {n} down-samplings need {n + 1} encoder and {n} decoder widths")
+        if self.audio_mels < 0 or self.audio_context < 0 or (self.audio_mels and self.audio_embed < 1):
+            raise ValueError(f"codec {self.name}: audio_mels and audio_context must be >= 0 and audio_embed >= 1")
+
+    @property
+    def audio_rows(self) -> int:
+        """Audio rows one decode reads: the 4 frames and audio_context either side."""
+        return self.frames_per_latent + 2 * self.audio_context if self.audio_mels else 0
 
     @property
     def levels(self) -> int:
         return _levels(self.image_size, self.latent_grid)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields a checkpoint records; an audio-free codec leaves the audio fields out, so that its
+        checkpoints are written, and compared at load, exactly as before they existed."""
+        d = asdict(self)
+        if not self.audio_mels:
+            for key in AUDIO_FIELDS:
+                d.pop(key)
+        return d
+
+
+AUDIO_FIELDS = ("audio_mels", "audio_context", "audio_embed")
 
 
 def _levels(image_size: tuple[int, int], latent_grid: tuple[int, int]) -> int:
@@ -110,18 +167,23 @@ def _levels(image_size: tuple[int, int], latent_grid: tuple[int, int]) -> int:
     return int(math.log2(H // h))
 
 
-def codec_config(spec: ModelSpec) -> CodecConfig:
-    """The codec shape for a model spec: width doubles as resolution halves, up to a cap."""
+def codec_config(spec: ModelSpec, *, audio: bool = False, **changes) -> CodecConfig:
+    """The codec shape for a model spec: width doubles as resolution halves, up to a cap. With `audio`, the decoder
+    reads the spec's log-mel rows of its 4 frames and one frame either side (the renderer's mouth follows a frame
+    and its two neighbours); `changes` override any field."""
     n = _levels(spec.image_size, spec.latent_grid)
     small = spec.image_size[0] <= 64
     base, cap, enc_cap = (16, 64, 64) if small else (32, 192, 128)
     dec = tuple(min(base * 2 ** (n - i), cap) for i in range(n))
     enc = tuple(min(max(base * 2 ** i // 2, 16), enc_cap) for i in range(n + 1))
-    return CodecConfig(
+    cfg = CodecConfig(
         name=f"{spec.name}-codec", image_size=tuple(spec.image_size), latent_channels=spec.latent_channels,
         latent_grid=tuple(spec.latent_grid), frames_per_latent=spec.frames_per_latent,
         enc_widths=enc, dec_widths=dec, latent_blocks=1 if small else 2,
     )
+    if audio:
+        cfg = replace(cfg, audio_mels=spec.n_mels, audio_context=min(1, spec.audio_context))
+    return replace(cfg, **changes) if changes else cfg
 
 
 def _groups(c: int) -> int:
@@ -160,6 +222,35 @@ class Encoder(nn.Module):
         return self.norm(self.out(x))
 
 
+class AudioEmbed(nn.Module):
+    """Each decoded frame's audio rows (its own and `audio_context` either side) -> an embedding; the 4 frames'
+    embeddings side by side condition the whole decoder: (B, 4 + 2 ctx, mels) -> (B, 4 * embed)."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.span = 2 * cfg.audio_context + 1
+        e = cfg.audio_embed
+        self.mlp = nn.Sequential(nn.Linear(self.span * cfg.audio_mels, e), nn.SiLU(), nn.Linear(e, e), nn.SiLU())
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        frames = audio.unfold(1, self.span, 1).flatten(2)  # (B, 4, mels * span): frame j reads rows j .. j + 2 ctx
+        return self.mlp(frames).flatten(1)
+
+
+class FiLM(nn.Module):
+    """x * (1 + scale) + shift per channel, from the audio embedding; zero-initialised: the identity at first."""
+
+    def __init__(self, cond: int, channels: int):
+        super().__init__()
+        self.proj = nn.Linear(cond, 2 * channels)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.proj(cond)[:, :, None, None].chunk(2, dim=1)
+        return x * (1 + scale) + shift
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: CodecConfig):
         super().__init__()
@@ -174,12 +265,25 @@ class Decoder(nn.Module):
         k = 3 * cfg.frames_per_latent
         self.out = nn.Sequential(nn.GroupNorm(_groups(w[-1]), w[-1]), nn.SiLU(), nn.Conv2d(w[-1], 4 * k, 3, padding=1),
                                  nn.PixelShuffle(2))
+        self.audio_rows = cfg.audio_rows
+        if cfg.audio_mels:  # after the latent blocks, after each stage, after the output's GroupNorm
+            cond = cfg.frames_per_latent * cfg.audio_embed
+            self.audio = AudioEmbed(cfg)
+            self.film = nn.ModuleList(FiLM(cond, c) for c in (w[0], *w[1:], w[-1]))
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:  # (B, C, h, w) -> (B, 12, H, W), about [-1, 1]
+    def forward(self, z: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, C, h, w), audio (B, 4 + 2 ctx, mels) with audio_mels -> (B, 12, H, W), about [-1, 1]."""
         x = self.latent_blocks(self.stem(z))
-        for stage in self.stages:
-            x = stage(x)
-        return self.out(x)
+        if not self.audio_rows:
+            for stage in self.stages:
+                x = stage(x)
+            return self.out(x)
+        cond = self.audio(audio)
+        x = self.film[0](x, cond)
+        for i, stage in enumerate(self.stages):
+            x = self.film[i + 1](stage(x), cond)
+        x = self.film[-1](self.out[0](x), cond)
+        return self.out[1:](x)
 
 
 class TrainedCodec(nn.Module):
@@ -200,12 +304,29 @@ class TrainedCodec(nn.Module):
             raise ValueError(f"frames must be (B, {k}, 3, {H}, {W}), got {tuple(frames.shape)}")
         return self.encoder(frames.flatten(1, 2) * 2.0 - 1.0)
 
-    def decode_frames(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents (B, C, h, w) -> float frames (B, 4, 3, H, W), about [0, 1] (not clamped)."""
+    @property
+    def audio_mels(self) -> int:
+        return self.cfg.audio_mels
+
+    @property
+    def audio_context(self) -> int:
+        return self.cfg.audio_context
+
+    def decode_frames(self, latents: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
+        """Latents (B, C, h, w) -> float frames (B, 4, 3, H, W), about [0, 1] (not clamped). An audio decoder
+        needs `audio` (B, 4 + 2 audio_context, audio_mels): each frame's log-mel rows; others ignore it."""
         c, (h, w) = self.cfg.latent_channels, self.cfg.latent_grid
         if latents.ndim != 4 or tuple(latents.shape[1:]) != (c, h, w):
             raise ValueError(f"latents must be (B, {c}, {h}, {w}), got {tuple(latents.shape)}")
-        out = self.decoder(latents)
+        if self.cfg.audio_mels:
+            rows = (latents.shape[0], self.cfg.audio_rows, self.cfg.audio_mels)
+            if audio is None:
+                raise ValueError(f"this codec is audio-conditioned: decoding needs each frame's audio features {rows[1:]}")
+            if tuple(audio.shape) != rows:
+                raise ValueError(f"audio must be {rows}, got {tuple(audio.shape)}")
+            out = self.decoder(latents, audio.to(latents.dtype))
+        else:
+            out = self.decoder(latents)
         return (out.unflatten(1, (self.cfg.frames_per_latent, 3)) + 1.0) / 2.0
 
     # The engine's seam ---------------------------------------------------------------
@@ -213,15 +334,34 @@ class TrainedCodec(nn.Module):
         return next(self.parameters())
 
     @torch.no_grad()
-    def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        """One latent frame (C, h, w) -> 4 RGB frames (4, H, W, 3) uint8."""
+    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
+        """One latent frame (C, h, w) -> 4 RGB frames (4, H, W, 3) uint8. An audio decoder needs `audio`
+        (4 + 2 audio_context, audio_mels): the log-mel rows of frames first - audio_context on (`decode_step`
+        cuts them from a step's window); an audio-free one ignores it."""
         c, (h, w) = self.cfg.latent_channels, self.cfg.latent_grid
         if not isinstance(latent, torch.Tensor) or tuple(latent.shape) != (c, h, w):
             shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
             raise ValueError(f"latent must have shape {(c, h, w)}, got {shape}")
         p = self._param()
-        frames = self.decode_frames(latent[None].to(p.device, p.dtype))[0]  # (4, 3, H, W)
+        rows = None
+        if self.cfg.audio_mels:
+            rows = self._check_audio(audio)[None].to(p.device, p.dtype, non_blocking=True)
+        frames = self.decode_frames(latent[None].to(p.device, p.dtype), rows)[0]  # (4, 3, H, W)
         return (frames.permute(0, 2, 3, 1).float().clamp(0, 1) * 255.0).round().to(torch.uint8)
+
+    def _check_audio(self, audio: torch.Tensor | None) -> torch.Tensor:
+        """One decode's audio rows, checked. Finiteness is checked on the CPU only (as the engine hands them):
+        a check of rows on a GPU would wait for it."""
+        expected = (self.cfg.audio_rows, self.cfg.audio_mels)
+        if audio is None:
+            raise ValueError(f"this codec is audio-conditioned: decode(latent, audio=...) needs the audio features "
+                             f"{expected} of its frames (engine.codec.decode_step cuts them from a step's window)")
+        if not isinstance(audio, torch.Tensor) or tuple(audio.shape) != expected:
+            shape = tuple(audio.shape) if isinstance(audio, torch.Tensor) else type(audio).__name__
+            raise ValueError(f"audio must have shape {expected} (frames first - {self.cfg.audio_context} on), got {shape}")
+        if audio.device.type == "cpu" and not torch.isfinite(audio).all():
+            raise ValueError("audio features contain NaN or infinite values")
+        return audio
 
     @torch.no_grad()
     def encode_reference(self, image: torch.Tensor) -> torch.Tensor:
@@ -257,9 +397,23 @@ def save_codec(codec: TrainedCodec, path: str | Path, *, half: bool = True) -> s
     return save_checkpoint(state_module, codec.cfg, path)
 
 
+def saved_audio_fields(path: str | Path) -> dict:
+    """The audio fields a codec checkpoint records (none for an audio-free one, or a file that cannot be read:
+    load_checkpoint then says what is wrong with it). Read through a memory map, without the weights."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return {}
+    saved = blob.get("spec") if isinstance(blob, dict) else None
+    if not isinstance(saved, dict):
+        return {}
+    return {k: saved[k] for k in AUDIO_FIELDS if isinstance(saved.get(k), int)}
+
+
 def load_codec(spec: ModelSpec, path: str | Path, *, expected_sha256: str | None = None) -> TrainedCodec:
-    """A trained codec for `spec` from a checkpoint, sha256-verified (ValueError on any mismatch)."""
-    codec = build_codec(spec)
+    """A trained codec for `spec` from a checkpoint, sha256-verified (ValueError on any mismatch). Its decoder
+    reads audio when the checkpoint says so; every other field must be the spec's codec shape."""
+    codec = build_codec(spec, cfg=codec_config(spec, **saved_audio_fields(path)))
     load_checkpoint(codec, codec.cfg, path, expected_sha256=expected_sha256)
     return codec.eval()
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from engine.audio import SAMPLE_RATE, frame_of_sample, frame_sample, to_mono_16k
-from engine.codec import Codec
+from engine.codec import Codec, decode_step
 from engine.mel import log_mel_frames
 from engine.playout import PlayoutBuffer
 from engine.session import EngineSession
@@ -116,7 +116,7 @@ class AudioTimeline:
 
 class LocalSteps:
     """Steps made in this process: the session denoises (on the window it is handed), the codec decodes,
-    one after the other."""
+    one after the other; an audio-conditioned codec gets its rows of the same window (`decode_step`)."""
 
     def __init__(self, session: EngineSession, codec: Codec):
         self.session, self.codec, self.spec = session, codec, session.spec
@@ -143,7 +143,7 @@ class LocalSteps:
         if window_start != self.session.next_frame - self.spec.audio_context:
             raise ValueError(f"features for frames {window_start} on do not start the window of the session's next step "
                              f"(frame {self.session.next_frame - self.spec.audio_context})")
-        self._done.append(self.codec.decode(self.session.step(features)).cpu().numpy())
+        self._done.append(decode_step(self.codec, self.session.step(features), features, self.spec).cpu().numpy())
 
     def collect(self) -> np.ndarray:
         return self._done.popleft()

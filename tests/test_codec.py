@@ -7,7 +7,7 @@ import torch
 
 from engine import character as ch
 from engine.checkpoint import save_checkpoint
-from engine.codec import build_codec, codec_config, load_codec, save_codec
+from engine.codec import StandInCodec, build_codec, codec_config, load_codec, save_codec
 from engine.config import get_spec
 from engine.model import build_model, count_parameters
 from training.train import FrameSampler, Tracks, codec_psnr, train_codec
@@ -108,3 +108,105 @@ def test_demo_codec_shapes():
     assert z.shape == (16, 16, 16)
     assert codec.decode(z).shape == (4, 256, 256, 3)
     assert Path(codec_config(DEMO).name).name == "demo-codec"
+
+
+# The audio-conditioned decoder -----------------------------------------------------------------------------
+def audio_codec(spec=TINY, seed: int = 5, scale: float = 0.5, **changes):
+    """An audio codec whose FiLM layers are random (not the zero start), so the audio changes what it decodes."""
+    codec = build_codec(spec, seed=seed, cfg=codec_config(spec, audio=True, **changes))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for film in codec.decoder.film:
+            film.proj.weight.copy_(scale * torch.randn(film.proj.weight.shape, generator=g))
+    return codec
+
+
+def test_an_audio_free_codec_records_its_config_as_before():
+    assert set(codec_config(TINY).to_dict()) == {"name", "image_size", "latent_channels", "latent_grid", "frames_per_latent",
+                                                "enc_widths", "dec_widths", "latent_blocks"}
+    cfg = codec_config(DEMO, audio=True)
+    assert (cfg.audio_mels, cfg.audio_context, cfg.audio_rows) == (32, 1, 6)
+    assert {"audio_mels", "audio_context", "audio_embed"} <= set(cfg.to_dict())
+
+
+def test_decode_takes_audio_only_where_the_codec_reads_it():
+    z = torch.randn(TINY.latent_channels, *TINY.latent_grid)
+    rows = torch.randn(6, TINY.n_mels)
+    plain, stand_in = build_codec(TINY, seed=1), StandInCodec(TINY)
+    assert torch.equal(plain.decode(z, audio=rows), plain.decode(z))  # accepted, ignored
+    assert torch.equal(stand_in.decode(z, audio=rows), stand_in.decode(z))
+    codec = audio_codec()
+    with pytest.raises(ValueError, match="audio-conditioned"):
+        codec.decode(z)
+    with pytest.raises(ValueError, match=r"audio must have shape \(6, 16\)"):
+        codec.decode(z, audio=torch.randn(4, TINY.n_mels))
+    with pytest.raises(ValueError, match="NaN"):
+        codec.decode(z, audio=torch.full((6, TINY.n_mels), float("nan")))
+    out = codec.decode(z, audio=rows)
+    assert out.shape == (4, 32, 32, 3) and not torch.equal(out, codec.decode(z, audio=rows.flip(0)))
+    with pytest.raises(ValueError, match="audio-conditioned"):
+        codec.decode_frames(z[None])
+
+
+def test_an_audio_decoder_starts_as_the_decoder_it_is_built_on():
+    from training.train import audio_decoder_from
+
+    base = build_codec(TINY, seed=3)
+    codec = audio_decoder_from(base, TINY)
+    z = torch.randn(TINY.latent_channels, *TINY.latent_grid)
+    for rows in (torch.randn(6, TINY.n_mels), torch.zeros(6, TINY.n_mels)):
+        assert torch.equal(codec.decode(z, audio=rows), base.decode(z))
+    assert torch.equal(codec.encode_reference(ch.reference_image("ada", TINY.image_size)),
+                       base.encode_reference(ch.reference_image("ada", TINY.image_size)))
+
+
+@pytest.mark.skipif(not (ASSETS / "demo-cpu-codec.pt").is_file(), reason="no shipped demo-cpu codec")
+def test_the_shipped_codec_loads_as_audio_free_and_seeds_an_identical_audio_decoder():
+    from training.train import audio_decoder_from
+
+    spec = get_spec("demo-cpu")
+    base = load_codec(spec, ASSETS / "demo-cpu-codec.pt")
+    assert base.cfg.audio_mels == 0 and base.cfg == codec_config(spec)
+    codec = audio_decoder_from(base, spec)
+    z = base.encode_reference(ch.reference_image("kofi", spec.image_size))
+    assert torch.equal(codec.decode(z, audio=torch.randn(6, spec.n_mels)), base.decode(z))
+
+
+def test_an_audio_codec_checkpoint_loads_as_one(tmp_path):
+    codec = audio_codec(audio_context=0, audio_embed=8)
+    save_codec(codec, tmp_path / "tiny-codec.pt")
+    loaded = load_codec(TINY, tmp_path / "tiny-codec.pt")
+    assert (loaded.cfg.audio_mels, loaded.cfg.audio_context, loaded.cfg.audio_embed) == (TINY.n_mels, 0, 8)
+    z, rows = torch.randn(TINY.latent_channels, *TINY.latent_grid), torch.randn(4, TINY.n_mels)
+    again = load_codec(TINY, tmp_path / "tiny-codec.pt")
+    assert torch.equal(loaded.decode(z, audio=rows), again.decode(z, audio=rows))
+    w, w0 = loaded.decoder.film[0].proj.weight, codec.decoder.film[0].proj.weight
+    assert torch.equal(w, w0.to(torch.bfloat16).float())
+    # another shape's audio codec is still refused by its shape
+    with pytest.raises(ValueError, match="latent_channels"):
+        load_codec(TINY.with_(latent_channels=8), tmp_path / "tiny-codec.pt")
+
+
+def test_decode_step_cuts_the_frames_rows_from_the_step_window():
+    from engine.codec import decode_step, step_audio_rows
+
+    window = torch.arange(DEMO.audio_window, dtype=torch.float32)[:, None].expand(-1, DEMO.n_mels)  # row i: frame first-2+i
+    assert step_audio_rows(window, DEMO, 0)[:, 0].tolist() == [2, 3, 4, 5]  # the step's own 4 frames
+    assert step_audio_rows(window, DEMO, 1)[:, 0].tolist() == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match="within the step"):
+        step_audio_rows(window, DEMO, 3)
+    with pytest.raises(ValueError, match="rows"):
+        step_audio_rows(window[:5], DEMO, 1)
+    codec = audio_codec(audio_context=0)
+    z = torch.randn(TINY.latent_channels, *TINY.latent_grid)
+    win = torch.randn(TINY.audio_window, TINY.n_mels)
+    assert torch.equal(decode_step(codec, z, win, TINY), codec.decode(z, audio=win[1:5]))
+    assert torch.equal(decode_step(StandInCodec(TINY), z, None, TINY), StandInCodec(TINY).decode(z))
+    with pytest.raises(ValueError, match="audio window"):
+        decode_step(codec, z, None, TINY)
+
+
+def test_the_audio_layers_are_a_small_share_of_the_decoder():
+    plain = sum(p.numel() for p in build_codec(DEMO).decoder.parameters())
+    audio = sum(p.numel() for p in build_codec(DEMO, cfg=codec_config(DEMO, audio=True)).decoder.parameters())
+    assert 0 < audio - plain < 0.08 * plain, (plain, audio)

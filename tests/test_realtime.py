@@ -302,3 +302,37 @@ def test_a_slow_engine_holds_the_picture_and_keeps_the_voice_on_the_clock(model,
 def test_without_holding_a_slow_engine_stalls_the_voice(model):
     frames, stats, _, _ = run_slow(model, hold=False, lookahead=0, seconds=1.5)
     assert stats["underruns"] > 0 and stats["frames_held"] == 0 and not any(f.held for f in frames)
+
+
+def test_the_decoder_gets_its_frames_rows_of_the_step_window(model):
+    """An audio-conditioned codec is handed the rows of the step's own 4 frames (audio_context 0 here), cut from
+    the window the session denoised on: the log-mel features of those frames of the speech."""
+    from engine.mel import log_mel_frames
+
+    class RecordingCodec(StandInCodec):
+        audio_mels, audio_context = TINY.n_mels, 0
+
+        def __init__(self, spec):
+            super().__init__(spec)
+            self.rows: list[torch.Tensor] = []
+
+        def decode(self, latent, audio=None):
+            self.rows.append(audio.clone())
+            return super().decode(latent)
+
+    session = EngineSession(model, seed=2)
+    session.start(reference_latent())
+    windows = []
+    step = session.step
+    session.step = lambda audio=None: (windows.append(audio.clone()), step(audio))[1]
+    codec = RecordingCodec(TINY)
+    character = RealtimeCharacter(session, codec)
+    pcm = speech(0.4)
+    character.push_audio(pcm, SAMPLE_RATE)
+    for _ in range(4):
+        character.make_step()
+    ctx = TINY.audio_context
+    assert len(codec.rows) == 4
+    for t, (rows, window) in enumerate(zip(codec.rows, windows)):
+        assert torch.equal(rows, window[ctx:ctx + 4])
+        assert torch.allclose(rows, log_mel_frames(pcm, TINY.n_mels, 4 * t, 4), atol=1e-5)
