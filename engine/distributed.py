@@ -3,7 +3,8 @@
 Diffusion ranks form a tensor-parallel group (engine/parallel.py shards each block;
 a block ends in one all-reduce). Every rank runs the same `EngineSession` on its
 shard with the same seed, so all ranks hold the same latent after each step; rank 0
-hands it to a decoder process (round-robin when several), which decodes step t
+hands it to a decoder process (round-robin when several), with the step's audio window
+(an audio-conditioned codec reads its frames' rows of it), and the decoder decodes step t
 while the ranks denoise step t+1. Frames come back in order.
 
     engine = DistributedEngine(spec, Placement.plan("0,1,2,3", "3", ...), EngineOptions(...))
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.codec import decode_step
 from engine.config import ModelSpec, shard_spec
 from engine.kernels import GEMM_MODES
 from engine.options import EngineOptions, apply_gemm_mode_, new_session
@@ -247,6 +249,18 @@ def _get_while_parent_lives(source):
                 os._exit(1)
 
 
+def _decoder_window(session, features: torch.Tensor | None, start_frame: int | None) -> torch.Tensor:
+    """The audio window (audio_window, n_mels) of the step the session makes next, for its decoder: cut from the
+    features handed with the step when they cover it (as RealtimeCharacter hands them: float32, on the CPU),
+    else the session's own (features pushed before, silence where none), on its device until the step is done."""
+    spec = session.spec
+    first = session.next_frame - spec.audio_context
+    if features is not None and start_frame is not None and start_frame <= first \
+            and start_frame + features.shape[0] >= first + spec.audio_window:
+        return features[first - start_frame:first - start_frame + spec.audio_window].float()
+    return session._audio_window().float()
+
+
 def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, commands, latents: list, outbox) -> None:
     try:
         from engine.weights import load_engine
@@ -290,6 +304,7 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                 features, start_frame, index = args
                 if features is not None:
                     session.push_audio_features(features, start_frame)
+                window = _decoder_window(session, features, start_frame) if rank == 0 else None
                 t0 = time.perf_counter()
                 latent = session.step()
                 if device.type == "cuda":
@@ -301,7 +316,8 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                 else:
                     latent = latent.float().clone()
                 if rank == 0:  # straight to its decoder, which decodes it while the ranks make the next step
-                    latents[index % len(latents)].put((index, latent, 1000 * (time.perf_counter() - t0)))
+                    window = window.cpu() if window.device.type != "cpu" else window.clone()
+                    latents[index % len(latents)].put((index, latent, window, 1000 * (time.perf_counter() - t0)))
     except BaseException:
         outbox.put(("error", f"diffusion rank {rank}", traceback.format_exc()))
     finally:
@@ -325,9 +341,9 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
                 outbox.put(("done", slot, decoded))
                 break
             decoded += 1
-            index, latent, step_ms = item
+            index, latent, window, step_ms = item
             t0 = time.perf_counter()
-            frames = codec.decode(latent.to(device)).cpu()
+            frames = decode_step(codec, latent.to(device), window, job.spec).cpu()
             del latent  # release the producer's buffer mapping
             outbox.put(("frames", index, {"frames": frames, "step_ms": step_ms, "decode_ms": 1000 * (time.perf_counter() - t0)}))
     except BaseException:

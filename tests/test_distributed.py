@@ -365,3 +365,51 @@ def test_workers_left_idle_with_their_parent_alive_stay_and_still_step():
         engine.submit_step(torch.zeros(4, TINY.n_mels), 0)
         index, frames = engine.next_frames()
     assert index == 0 and frames.shape[0] == TINY.frames_per_latent
+
+
+def test_a_decoder_process_gets_the_rows_the_local_decoder_gets(tmp_path):
+    """An audio-conditioned codec (random audio layers, so that the rows show in the frames) decodes in its own
+    process from the rows the local path cuts, whether the step's window comes with it (as RealtimeCharacter
+    sends it) or was pushed before (the session's own window)."""
+    from engine.checkpoint import save_checkpoint
+    from engine.codec import build_codec, codec_config, decode_step, save_codec
+    from engine.weights import load_engine
+
+    save_checkpoint(build_model(SPEC6, seed=0), SPEC6, tmp_path / "tiny6.pt")
+    codec = build_codec(SPEC6, seed=1, cfg=codec_config(SPEC6, audio=True, audio_context=0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for film in codec.decoder.film:
+            film.proj.weight.copy_(0.5 * torch.randn(film.proj.weight.shape, generator=g))
+    save_codec(codec, tmp_path / "tiny6-codec.pt")
+    model, codec, trained = load_engine(SPEC6, weights=tmp_path / "tiny6.pt")
+    assert trained and codec.audio_mels == SPEC6.n_mels
+    ctx = SPEC6.audio_context
+
+    def window(t: int) -> torch.Tensor:
+        return torch.randn(SPEC6.audio_window, SPEC6.n_mels, generator=torch.Generator().manual_seed(100 + t))
+
+    session, pushed = EngineSession(model, seed=0), EngineSession(model, seed=0)
+    session.start(reference_latent(SPEC6))
+    pushed.start(reference_latent(SPEC6))
+    local, local_pushed, wrong = [], [], []
+    for t in range(STEPS):
+        latent = session.step(window(t))
+        local.append(decode_step(codec, latent, window(t), SPEC6))
+        wrong.append(decode_step(codec, latent, window(t + 1), SPEC6))
+        pushed.push_audio_features(features(t), t * 4)
+        rows = pushed._audio_window().clone()
+        local_pushed.append(decode_step(codec, pushed.step(), rows, SPEC6))
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=1), EngineOptions(weights=str(tmp_path / "tiny6.pt")),
+                           timeout=120) as engine:
+        engine.start(reference_latent(SPEC6))
+        for t in range(STEPS):
+            engine.submit_step(window(t), 4 * t - ctx)
+        remote = torch.stack([engine.next_frames()[1] for _ in range(STEPS)])
+    with DistributedEngine(SPEC6, Placement(cpu_ranks=1), EngineOptions(weights=str(tmp_path / "tiny6.pt")),
+                           timeout=120) as engine:
+        _, remote_pushed = engine_frames(engine)
+    local, local_pushed, wrong = torch.stack(local), torch.stack(local_pushed), torch.stack(wrong)
+    assert (remote.int() - local.int()).abs().max().item() <= 1
+    assert (remote_pushed.int() - local_pushed.int()).abs().max().item() <= 1
+    assert (wrong.int() - local.int()).abs().max().item() > 8  # other rows show: the comparison has teeth
