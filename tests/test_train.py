@@ -224,3 +224,45 @@ def test_all_puts_its_codec_in_assets_only_with_its_dit(tmp_path, capsys, monkey
         assert (assets / name).read_bytes() == (work / name).read_bytes() != old[name]
     _, codec, trained = load_engine(TINY, weights=assets / "tiny.pt")
     assert trained and type(codec).__name__ == "TrainedCodec"
+
+
+def test_codec_audio_fine_tunes_a_decoder_that_reads_audio(tmp_path, capsys):
+    """`codec-audio` on the tiny spec: from a codec (here untrained), the encoder frozen (the same latents), the
+    loss on a fixed batch goes down from the init, the saved file (with its sha256) loads as an audio codec and
+    decodes with audio, and a rerun with the same seed writes the same file."""
+    from engine.checkpoint import sha256_of
+    from training.train import FrameSampler, audio_decoder_from, audio_decoder_loss, corpus_tracks, face_weights
+
+    torch.set_num_threads(max(torch.get_num_threads(), 2))
+    corpus = tmp_path / "speech.npz"
+    assert main(["corpus", "--out", str(corpus), "--minutes", "0.25", "--source", "synth"]) == 0
+    init = tmp_path / "init" / "tiny-codec.pt"
+    init.parent.mkdir()
+    save_codec(build_codec(TINY, seed=3), init)
+    argv = ["codec-audio", "--spec", "tiny", "--corpus", str(corpus), "--device", "cpu", "--init", str(init),
+            "--batch", "8", "--max-steps", "40", "--seed", "1", "--lr", "2e-3", "--new-lr", "3e-3"]
+    assert main([*argv, "--out", str(tmp_path / "a" / "tiny-codec.pt"), "--work", str(tmp_path / "wa")]) == 0
+    out = capsys.readouterr().out
+    assert '"phase": "codec-audio"' in out and '"event": "saved"' in out
+    assert main([*argv, "--out", str(tmp_path / "b" / "tiny-codec.pt"), "--work", str(tmp_path / "wb")]) == 0
+    a, b = tmp_path / "a" / "tiny-codec.pt", tmp_path / "b" / "tiny-codec.pt"
+    assert (tmp_path / "a" / "tiny-codec.pt.sha256").read_text().split()[0] == sha256_of(a) == sha256_of(b)
+    base, tuned = load_codec(TINY, init), load_codec(TINY, a)
+    assert tuned.cfg.audio_mels == TINY.n_mels and tuned.cfg.audio_context == 1
+    image = torch.zeros(32, 32, 3, dtype=torch.uint8)
+    assert torch.equal(tuned.encode_reference(image), base.encode_reference(image))  # encoder frozen
+    pcm, _ = load_corpus(corpus)
+    sampler = FrameSampler(TINY, corpus_tracks(pcm, TINY), seed=99, device=torch.device("cpu"))
+    frames, looks, states, rows = sampler.sample_with_audio(16, 1)
+    weights = face_weights(looks, states, TINY.image_size)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        before = audio_decoder_loss(audio_decoder_from(base, TINY), frames, rows, weights, 0.0, 1.0)[0].item()
+        torch.manual_seed(0)
+        after = audio_decoder_loss(tuned, frames, rows, weights, 0.0, 1.0)[0].item()
+    assert after < 0.8 * before, (before, after)
+    z = tuned.encode_reference(image)
+    assert tuned.decode(z, audio=rows[0]).shape == (4, 32, 32, 3)
+    with torch.no_grad():  # the audio counts
+        louder = tuned.decode_frames(z[None], rows[:1] + 0.5) - tuned.decode_frames(z[None], rows[:1])
+    assert louder.abs().max() > 1e-3

@@ -3,6 +3,7 @@
     python -m training.train corpus --out data/speech.npz --minutes 15 --seed 0     # here: espeak-ng + piper
     python -m training.train all --spec demo --corpus data/speech.npz --device cuda  # on one GPU, < 30 min
     python -m training.train codec ... / python -m training.train dit ...              # the two halves of `all`
+    python -m training.train codec-audio --spec demo --init assets/demo-codec.pt --out assets/demo-codec.pt --device cuda
 
 The corpus is the only data: one int16 16 kHz stream of utterances and silences.
 Frames are rendered from it on the fly (engine.character runs on the GPU), so the
@@ -17,6 +18,8 @@ invocation early (state saved) so a run can span several time-limited commands:
 
 `all` keeps the codec it trains in --work beside the DiT and puts the two into --assets
 only once the DiT is saved, so --assets never pairs a new codec with an old DiT.
+`codec-audio` gives a trained codec a decoder that also reads each frame's audio, its
+encoder frozen: the latents, and so the DiT beside it, stay as they were.
 
 The DiT is trained by teacher forcing with exactly the attention the session runs:
 every clip holds the reference tokens, a *context* copy of each latent frame noised
@@ -48,7 +51,7 @@ from torch import nn
 from engine import character as ch
 from engine.audio import SAMPLE_RATE, read_wav, resample
 from engine.checkpoint import install_checkpoint, remove_checkpoint, save_checkpoint, sha256_of
-from engine.codec import TrainedCodec, build_codec, codec_path, load_codec, save_codec
+from engine.codec import TrainedCodec, build_codec, codec_config, codec_path, load_codec, save_codec
 from engine.config import SPECS, ModelSpec, get_spec
 from engine.mel import log_mel_frames, silence_features
 from engine.model import CausalVideoDiT, HeadNorm, apply_head_norm, build_model
@@ -347,27 +350,47 @@ class FrameSampler:
         n = tracks.n_frames
         self.idle = torch.stack([ch.idle_motion(n, seed * 7919 + i, 0, spec.fps) for i in range(idle_seeds)]).to(device)
         self.mouth = tracks.mouth.to(device)
+        self.features = tracks.features.to(device)
 
     def _randint(self, high: int, size: int) -> torch.Tensor:
         return torch.randint(0, high, (size,), generator=self.g).to(self.device)
 
     def sample(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> frames (B, 4, 3, H, W) in [0, 1], looks (B, LOOK_SIZE), states (B, 4, STATE_SIZE)."""
+        frames, looks, states, _ = self._draw(batch, None)
+        return frames, looks, states
+
+    def sample_with_audio(self, batch: int, context: int) -> tuple[torch.Tensor, ...]:
+        """sample's groups with the mouths the corpus gives them, and their audio: -> frames, looks, states and
+        audio (B, 4 + 2 context, n_mels), the features of frames first - context .. first + 3 + context."""
+        return self._draw(batch, context)
+
+    def _draw(self, batch: int, context: int | None) -> tuple[torch.Tensor, ...]:
         k = self.spec.frames_per_latent
         n = self.mouth.shape[0] - k
         looks = self.looks[self._randint(self.looks.shape[0], batch)]
         span = torch.arange(k, device=self.device)
         idle = self.idle[self._randint(self.idle.shape[0], batch)[:, None], (self._randint(n, batch)[:, None] + span)]
-        mouth = self.mouth[self._randint(n, batch)[:, None] + span]  # (B, 4, 2)
-        # A quarter of the groups get uniformly random mouths and blinks: the codec must cover every shape.
+        if context is None:
+            first = self._randint(n, batch)
+        else:  # groups whose audio window lies inside the corpus
+            first = context + self._randint(n - 2 * context, batch)
+        mouth = self.mouth[first[:, None] + span]  # (B, 4, 2)
+        # A quarter of the groups get uniformly random blinks, and without audio uniformly random mouths: the codec
+        # must cover every shape. With audio every mouth is the corpus's, so that the audio always tells it.
         wild = (torch.rand(batch, 1, 1, generator=self.g) < 0.25).to(self.device)
         rand_mouth = torch.rand(batch, 1, 2, generator=self.g).to(self.device) + 0.1 * torch.randn(batch, k, 2, generator=self.g).to(self.device)
-        mouth = torch.where(wild, rand_mouth.clamp(0, 1), mouth)
+        if context is None:
+            mouth = torch.where(wild, rand_mouth.clamp(0, 1), mouth)
         states = torch.cat([idle, mouth], -1)  # (B, 4, STATE)
         blink = torch.rand(batch, 1, generator=self.g).to(self.device).expand(batch, k)
         states[..., ch.S["blink"]] = torch.where(wild[..., 0], blink, states[..., ch.S["blink"]])
         frames = ch.render(looks.repeat_interleave(k, 0), states.flatten(0, 1), self.spec.image_size)
-        return frames.unflatten(0, (batch, k)), looks, states
+        audio = None
+        if context is not None:
+            rows = first[:, None] - context + torch.arange(k + 2 * context, device=self.device)
+            audio = self.features[rows]
+        return frames.unflatten(0, (batch, k)), looks, states, audio
 
 
 def face_weights(looks: torch.Tensor, states: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -466,6 +489,116 @@ def codec_psnr(codec: TrainedCodec, frames: torch.Tensor) -> float:
         q = lambda x: (x * 255).round() / 255  # noqa: E731 - both sides as uint8 pictures
         mse = F.mse_loss(q(out), q(frames.to(out.device).float())).item()
     return -10 * math.log10(max(mse, 1e-12))
+
+
+# The audio-conditioned decoder --------------------------------------------------------------------------
+def audio_decoder_from(base: TrainedCodec, spec: ModelSpec, *, seed: int = 0, **audio: int) -> TrainedCodec:
+    """A codec whose decoder reads audio, built on `base`: its encoder and decoder weights copied, the new audio
+    layers zero at their outputs, so it decodes exactly as `base` until trained. A base that already reads audio
+    is copied as it is (training continues from it)."""
+    if base.cfg.audio_mels:
+        return copy.deepcopy(base)
+    cfg = codec_config(spec, audio=True, **audio)
+    codec = build_codec(spec, seed=seed, cfg=cfg)
+    missing, unexpected = codec.load_state_dict(base.state_dict(), strict=False)
+    if unexpected or any(not k.startswith(("decoder.audio.", "decoder.film.")) for k in missing):
+        raise ValueError(f"codec {base.cfg.name} does not fit the audio decoder: missing {missing}, unexpected {unexpected}")
+    return codec.to(next(base.parameters()).device)
+
+
+def audio_decoder_loss(codec: TrainedCodec, frames: torch.Tensor, audio: torch.Tensor, weights: torch.Tensor,
+                       latent_noise: float, motion_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """codec_loss's weighted L1 + edge terms with the encoder frozen (the latents the DiT was trained on), plus
+    the frame-to-frame change inside the group against the renderer's, under the same face weights: the
+    motion a group's 4 frames must show."""
+    with torch.no_grad():
+        z = codec.encode_frames(frames)  # (B, C, h, w)
+        sigma = torch.rand(z.shape[0], 1, 1, 1, device=z.device) * latent_noise
+        z = z + sigma * torch.randn_like(z)
+    out = codec.decode_frames(z, audio).float()  # (B, 4, 3, H, W)
+    err = (out - frames).abs() * weights
+    edge = sum(((torch.diff(out, dim=d) - torch.diff(frames, dim=d)).abs()).mean() for d in (-1, -2))
+    motion = ((torch.diff(out, dim=1) - torch.diff(frames, dim=1)).abs() * weights[:, 1:]).mean()
+    mse = F.mse_loss(out.detach().clamp(0, 1), frames)
+    return err.mean() + 0.5 * edge + motion_weight * motion, mse
+
+
+def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes: float, device: torch.device, out: Path,
+                        work: Path, batch: int = 32, lr: float = 3e-4, new_lr: float = 1e-3, seed: int = 0,
+                        save_every: float = 120.0, resume: bool = False, latent_noise: float = 0.15,
+                        motion_weight: float = 1.0, audio_context: int | None = None, audio_embed: int | None = None,
+                        max_steps: int | None = None, deadline: float | None = None) -> TrainedCodec:
+    """Fine-tune an audio-conditioned decoder from the codec at `init` with its encoder frozen, so the latents, and
+    the DiT trained on them, stay valid; save the EMA weights to `out` (with its .sha256). The learning rate
+    follows the wall-clock budget, or the steps when `max_steps` is given (then a run is reproducible from its
+    seed); the new audio layers learn at `new_lr`. Raises Paused at the deadline."""
+    state_path = work / f"{spec.name}-codec-audio-state.pt"
+    torch.manual_seed(seed)
+    base = load_codec(spec, init).to(device)
+    audio = {k: v for k, v in (("audio_context", audio_context), ("audio_embed", audio_embed)) if v is not None}
+    codec = audio_decoder_from(base, spec, seed=seed, **audio).to(device)
+    del base
+    if device.type == "cuda":
+        codec = codec.to(memory_format=torch.channels_last)
+    codec.encoder.requires_grad_(False).eval()  # eval: its BatchNorm keeps the statistics the latents were made with
+    codec.decoder.train()
+    new = [p for name, p in codec.decoder.named_parameters() if name.startswith(("audio.", "film."))]
+    old = [p for name, p in codec.decoder.named_parameters() if not name.startswith(("audio.", "film."))]
+    opt = torch.optim.AdamW([{"params": old, "base": lr}, {"params": new, "base": new_lr}], lr=lr, betas=(0.9, 0.99),
+                            weight_decay=1e-4)
+    ema = EMA(codec, 0.998)
+    step, elapsed = 0, 0.0
+    if resume and (state := _load_state(state_path)) is not None:
+        codec.load_state_dict(state["model"]), ema.module.load_state_dict(state["ema"]), opt.load_state_dict(state["opt"])
+        step, elapsed = state["step"], state["elapsed"]
+        log(phase="codec-audio", event="resumed", step=step, elapsed=elapsed)
+    context = codec.cfg.audio_context
+    sampler = FrameSampler(spec, tracks, seed + step, device)
+    clock, last_save = Clock(minutes, elapsed, deadline), time.perf_counter()
+    log(phase="codec-audio", event="start", init=str(init), audio_params=sum(p.numel() for p in new),
+        decoder_params=sum(p.numel() for p in codec.decoder.parameters()), audio_mels=codec.cfg.audio_mels,
+        audio_context=context, batch=batch, device=str(device))
+
+    def save(done: bool) -> None:
+        _save_state(state_path, model=codec.state_dict(), ema=ema.module.state_dict(), opt=opt.state_dict(),
+                    step=step, elapsed=clock.elapsed, done=done)
+
+    def frac() -> float:
+        return step / max_steps if max_steps is not None else clock.frac
+
+    warmup = 100 if max_steps is None else max(1, min(100, max_steps // 5))
+
+    while clock.frac < 1.0 and (max_steps is None or step < max_steps):
+        if clock.out_of_session:
+            save(False)
+            log(phase="codec-audio", event="paused", step=step, elapsed=clock.elapsed, state=str(state_path))
+            raise Paused("codec-audio")
+        with torch.no_grad():
+            frames, looks, states, rows = sampler.sample_with_audio(batch, context)
+            weights = face_weights(looks, states, spec.image_size)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(group["base"], step, frac(), warmup)
+        with autocast(device):
+            loss, mse = audio_decoder_loss(codec, frames, rows, weights, latent_noise, motion_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad = torch.nn.utils.clip_grad_norm_(old + new, 1.0)
+        opt.step()
+        ema.update(codec, step)
+        step += 1
+        if step % 50 == 0 or step == 1:
+            log(phase="codec-audio", step=step, loss=loss.item(), psnr=-10 * math.log10(max(mse.item(), 1e-10)),
+                grad=grad.item(), lr=opt.param_groups[0]["lr"], elapsed=clock.elapsed)
+        if time.perf_counter() - last_save > save_every:
+            save(False)
+            last_save = time.perf_counter()
+    final = ema.module.eval().float()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest = save_codec(final, out)
+    save(True)
+    log(phase="codec-audio", event="saved", path=str(out), sha256=digest, steps=step, elapsed=clock.elapsed,
+        mb=round(out.stat().st_size / 1e6, 2))
+    return load_codec(spec, out).to(device)
 
 
 # DiT: teacher forcing with the inference attention -----------------------------------------------------
@@ -837,7 +970,7 @@ def _dit_args(p: argparse.ArgumentParser, minutes: float) -> None:
 
 def check_budgets(args: argparse.Namespace) -> None:
     """Refuse budgets that end a phase before its first step: it would save untrained weights as the result."""
-    for name in ("codec_minutes", "dit_minutes", "session_minutes"):
+    for name in ("codec_minutes", "dit_minutes", "session_minutes", "minutes"):
         value = getattr(args, name, None)
         if value is not None and not value > 0:  # `not >` also refuses NaN
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value:g}")
@@ -863,6 +996,19 @@ def main(argv: list[str] | None = None) -> int:
     _common(a)
     _codec_args(a, 6.0)
     _dit_args(a, 14.0)
+    au = sub.add_parser("codec-audio", help="fine-tune an audio-conditioned decoder from a trained codec, encoder frozen "
+                                            "(the DiT stays valid) -> --out")
+    _common(au)
+    au.add_argument("--init", default=None, help="the codec to start from (default: <assets>/<spec>-codec.pt)")
+    au.add_argument("--out", default=None, help="where the audio codec goes (default: <assets>/<spec>-codec.pt)")
+    au.add_argument("--minutes", type=float, default=6.0, help="wall-clock budget")
+    au.add_argument("--batch", type=int, default=32, help="4-frame groups per step")
+    au.add_argument("--lr", type=float, default=3e-4, help="learning rate of the decoder's trained weights")
+    au.add_argument("--new-lr", type=float, default=1e-3, help="learning rate of the new audio layers")
+    au.add_argument("--latent-noise", type=float, default=0.15, help="latent jitter (the DiT's error)")
+    au.add_argument("--motion-weight", type=float, default=1.0, help="weight of the in-group frame-to-frame change term")
+    au.add_argument("--audio-context", type=int, default=None, help="audio frames either side of each frame (default 1)")
+    au.add_argument("--audio-embed", type=int, default=None, help="width of one frame's audio embedding (default 32)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "corpus":
@@ -884,6 +1030,15 @@ def main(argv: list[str] | None = None) -> int:
             seconds=time.perf_counter() - t0)
         assets, work = Path(args.assets), Path(args.work)
         assets.mkdir(parents=True, exist_ok=True)
+        if args.cmd == "codec-audio":
+            train_audio_decoder(spec, tracks, init=Path(args.init) if args.init else codec_path(spec, assets),
+                                minutes=args.minutes, out=Path(args.out) if args.out else codec_path(spec, assets),
+                                batch=args.batch, lr=args.lr, new_lr=args.new_lr, latent_noise=args.latent_noise,
+                                motion_weight=args.motion_weight, audio_context=args.audio_context,
+                                audio_embed=args.audio_embed, device=device, work=work, seed=args.seed,
+                                save_every=args.save_every, resume=args.resume, max_steps=args.max_steps,
+                                deadline=deadline)
+            return 0
         # `all` keeps the new pair in --work until the DiT is saved: a paused, killed or failed run
         # never leaves a new codec beside an old DiT in --assets.
         staged = work if args.cmd == "all" else assets
