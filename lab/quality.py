@@ -5,6 +5,7 @@
     python -m lab.quality sheet --spec demo --audio speech.wav --presets ada,kofi --out docs/contact.png
     python -m lab.quality compare --a reference --b fp8-cache --clips 8 --json                # a numerics change
     python -m lab.quality drift --spec demo --minutes 10 --json                                 # first vs last minute
+    python -m lab.quality idle --spec demo-cpu --seconds 60 --json                              # silence: motion, blinks
 
 The mouth opening of each frame is read from the pixels: the character's geometry is
 known (engine.character), so a box that holds the mouth at every head position is
@@ -22,6 +23,11 @@ the same frames against audio shuffled in one-second blocks.
 `motion` (part of the lipsync report) is the mouth's frame-to-frame change inside a latent
 frame's group of 4 and across groups, against the renderer's own per-frame change on the
 same audio: whether the lips move at 24 Hz or at the latent rate of 6.
+
+`idle` runs the engine on silence: how much the picture and the eyes move each second, the
+blinks (the eyes' white covered by the lids, in boxes the renderer's geometry gives as it
+gives the mouth's), and the longest window without motion, against the renderer's own
+idle frames.
 """
 
 from __future__ import annotations
@@ -75,6 +81,123 @@ def mouth_box(look: str | ch.Look, size: tuple[int, int]) -> tuple[int, int, int
     if y1 - y0 < 2 or x1 - x0 < 2:
         raise ValueError(f"mouth box {(y0, y1, x0, x1)} is empty at image size {size}")
     return y0, y1, x0, x1
+
+
+def eye_boxes(look: str | ch.Look, size: tuple[int, int]) -> tuple[tuple[int, int, int, int], ...]:
+    """Pixel boxes (y0, y1, x0, x1), left eye then right, that hold each eye and its lid at any head sway and
+    tilt of the renderer (engine.character.idle_motion: sway up to 0.035 across and 0.018 down, tilt 0.05)."""
+    lk = ch.get_look(look)
+    h, w = size
+    cy = lk.head_y + lk.eye_y
+    half_x, half_y = lk.eye_rx + 0.012 + 0.045, lk.eye_ry + 0.012 + 0.03
+
+    def px_y(v: float) -> int:
+        return int(round((v + 1.0) * h / 2.0))
+
+    def px_x(u: float) -> int:
+        return int(round((u + w / h) * h / 2.0))
+
+    boxes = []
+    for side in (-1.0, 1.0):
+        cx = side * lk.eye_dx
+        y0, y1 = max(px_y(cy - half_y), 0), min(px_y(cy + half_y), h)
+        x0, x1 = max(px_x(cx - half_x), 0), min(px_x(cx + half_x), w)
+        if y1 - y0 < 2 or x1 - x0 < 2:
+            raise ValueError(f"eye box {(y0, y1, x0, x1)} is empty at image size {size}")
+        boxes.append((y0, y1, x0, x1))
+    return tuple(boxes)
+
+
+def _uint8_frames(frames: torch.Tensor | np.ndarray, least: int = 1) -> torch.Tensor:
+    x = torch.as_tensor(np.asarray(frames) if not isinstance(frames, torch.Tensor) else frames)
+    if x.ndim != 4 or x.shape[-1] != 3 or x.dtype != torch.uint8 or x.shape[0] < least:
+        raise ValueError(f"frames must be (T >= {least}, H, W, 3) uint8, got {tuple(x.shape)} {x.dtype}")
+    return x
+
+
+def _eye_pixels(x: torch.Tensor, look: str | ch.Look) -> torch.Tensor:
+    """(T, H, W, 3) uint8 -> both eye boxes' pixels (T, N, 3) in [0, 1]."""
+    return torch.cat([x[:, y0:y1, x0:x1].flatten(1, 2) for y0, y1, x0, x1 in eye_boxes(look, tuple(x.shape[1:3]))],
+                     1).float() / 255.0
+
+
+def eye_whiteness(frames: torch.Tensor | np.ndarray, look: str | ch.Look) -> torch.Tensor:
+    """Frames (T, H, W, 3) uint8 -> (T,): how much of the eye boxes shows the eyes' white (a soft count: a pixel
+    counts fully within 0.05 of engine.character.EYE_WHITE on every channel, not at all from 0.2 on). A blink
+    covers the white with the lid; plain darkness would not do, as closing a light-skinned character's eye
+    brightens the box (skin over iris and pupil)."""
+    x = _uint8_frames(frames)
+    px = _eye_pixels(x, look)
+    off = (px - torch.tensor(ch.EYE_WHITE)).abs().amax(-1)  # (T, N)
+    return ((0.2 - off) / 0.15).clamp(0.0, 1.0).mean(1)
+
+
+BLINK_DIP = 0.5  # a blink: the eyes' white below this share of the clip's median
+
+
+def detect_blinks(whiteness: torch.Tensor, dip: float = BLINK_DIP, merge: int = 2) -> list[int]:
+    """The first frame of each blink: runs of frames whose eye whiteness is below `dip` times the clip's median
+    (eyes are open most of the time), runs `merge` frames apart or closer counted as one."""
+    if whiteness.ndim != 1:
+        raise ValueError(f"whiteness must be a 1-D series, got {tuple(whiteness.shape)}")
+    level = float(whiteness.median()) if whiteness.numel() else 0.0
+    if level <= 1e-6:  # no white to lose: no eyes seen open
+        return []
+    closed = (whiteness < dip * level).tolist()
+    starts, last_closed = [], None
+    for i, c in enumerate(closed):
+        if c:
+            if last_closed is None or i - last_closed > merge + 1:
+                starts.append(i)
+            last_closed = i
+    return starts
+
+
+STILL_THRESHOLD = 0.003  # mean |difference| (0..1) from a still stretch's first frame that ends it (0.77 of 255)
+STILL_TARGET_S = 2.0  # the target: no window this long without motion
+
+
+def still_stretches(frames: torch.Tensor | np.ndarray, threshold: float = STILL_THRESHOLD) -> list[int]:
+    """Lengths, in frame intervals, of the clip cut greedily into still stretches: a stretch runs from its first
+    frame while every frame stays within `threshold` (mean absolute difference, 0..1) of that first frame; the
+    first frame farther off starts the next. Slow motion adds up and ends a stretch; noise alone does not."""
+    x = _uint8_frames(frames, least=1)
+    lengths, first = [], 0
+    anchor = x[0].float()
+    for t in range(1, x.shape[0]):
+        if float((x[t].float() - anchor).abs().mean()) / 255.0 >= threshold:
+            lengths.append(t - 1 - first)
+            first, anchor = t, x[t].float()
+    lengths.append(x.shape[0] - 1 - first)
+    return lengths
+
+
+def idle_motion_stats(frames: torch.Tensor | np.ndarray, look: str | ch.Look, fps: int = 24,
+                      still_threshold: float = STILL_THRESHOLD) -> dict:
+    """How an idle clip moves. Per second: the mean absolute frame-to-frame change (0..1) of the whole picture and
+    of the eye boxes, and `shift_per_second`, the mean absolute difference between the first frames of one second
+    and the next (motion that adds up, where frame-to-frame change also counts noise). Blinks (detect_blinks)
+    and blinks a minute. `longest_still_s`: the longest still stretch (still_stretches at `still_threshold`),
+    and how many last STILL_TARGET_S or more."""
+    x = _uint8_frames(frames, least=2)
+    T = x.shape[0]
+    change = torch.stack([(x[t + 1].float() - x[t].float()).abs().mean() / 255.0 for t in range(T - 1)])
+    eyes = _eye_pixels(x, look)
+    eye_change = (eyes[1:] - eyes[:-1]).abs().mean(dim=(1, 2))
+    per_second = [float(change[i:i + fps].mean()) for i in range(0, T - 1, fps)]
+    eye_per_second = [float(eye_change[i:i + fps].mean()) for i in range(0, T - 1, fps)]
+    shift = [float((x[i + fps].float() - x[i].float()).abs().mean()) / 255.0 for i in range(0, T - fps, fps)]
+    stretches = still_stretches(x, still_threshold)
+    blinks = detect_blinks(eye_whiteness(x, look))
+    minutes = T / fps / 60.0
+    return {
+        "motion_per_second": per_second, "eye_motion_per_second": eye_per_second, "shift_per_second": shift,
+        "motion_mean": float(change.mean()), "eye_motion_mean": float(eye_change.mean()),
+        "motion_min_second": min(per_second), "shift_min_second": min(shift) if shift else None,
+        "blinks": len(blinks), "blink_frames": blinks, "blinks_per_minute": len(blinks) / minutes,
+        "longest_still_s": max(stretches) / fps,
+        "still_windows_over_target": sum(1 for k in stretches if k / fps >= STILL_TARGET_S),
+    }
 
 
 def mouth_opening(frames: torch.Tensor | np.ndarray, look: str | ch.Look) -> torch.Tensor:
@@ -241,6 +364,31 @@ def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str |
         "ratio_to_ceiling": gen_s["score"] / ceil_s["score"] if ceil_s["score"] > 1e-6 else None,
         "motion": motion, "rendered_motion": rendered_motion,
         "generated_picture": picture_stats(generated), "rendered_picture": picture_stats(rendered),
+        "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": device,
+    }
+
+
+def idle_report(spec, seconds: float, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
+                cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0, still_threshold: float = STILL_THRESHOLD) -> dict:
+    """The engine on silence for `seconds` (built as lipsync builds it), against the renderer's own idle frames
+    (head sway, gaze, blinks, mouth closed: engine.character) for as long, the ceiling: idle_motion_stats of both.
+    The target: no window of STILL_TARGET_S without motion, and blinks as often as the renderer's."""
+    n = math.ceil(seconds * spec.fps)
+    if n < 2 * spec.fps:
+        raise ValueError(f"--seconds {seconds:g} is too short: the report needs at least 2 s")
+    silence = np.zeros(frame_sample(n, spec.fps), np.float32)
+    gen, trained = engine_frames(spec, silence, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype,
+                                 seed=seed)
+    t0 = time.perf_counter()
+    generated = torch.from_numpy(np.concatenate([rgb for _, rgb in gen])[:n])
+    gen_seconds = time.perf_counter() - t0
+    rendered, states = ch.render_audio(silence, preset, seed=seed, size=spec.image_size, n_frames=n)
+    ceiling = idle_motion_stats(rendered, preset, spec.fps, still_threshold)
+    ceiling["blinks_in_state"] = len(detect_blinks(1.0 - states[:, ch.S["blink"]], dip=0.5))
+    return {
+        "spec": spec.name, "preset": preset, "seconds": n / spec.fps, "frames": n, "trained_weights": trained,
+        "still_threshold": still_threshold, "still_target_s": STILL_TARGET_S,
+        "generated": idle_motion_stats(generated, preset, spec.fps, still_threshold), "rendered": ceiling,
         "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": device,
     }
 
@@ -577,7 +725,33 @@ def main(argv: list[str] | None = None) -> int:
     dr.add_argument("--max-score-drop", type=float, default=DRIFT_LIMITS["score_drop"])
     dr.add_argument("--max-level-change", type=float, default=DRIFT_LIMITS["level_change"])
     dr.add_argument("--json", action="store_true", help="print one JSON object")
+    idl = sub.add_parser("idle", help="the engine on silence: picture and eye motion a second, blinks, the longest still "
+                                      "window, against the renderer's idle frames")
+    idl.add_argument("--spec", default="demo", choices=sorted(SPECS))
+    idl.add_argument("--seconds", type=float, default=60.0)
+    idl.add_argument("--preset", default="ada", help=f"one of {', '.join(ch.PRESETS)}")
+    idl.add_argument("--weights", help="DiT checkpoint (default: the one shipped for the spec)")
+    idl.add_argument("--device", default="auto", help="auto (a GPU when one is visible), cpu, cuda or cuda:N")
+    idl.add_argument("--cache", default="ring", choices=CACHES)
+    idl.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
+    idl.add_argument("--seed", type=int, default=0)
+    idl.add_argument("--still-threshold", type=float, default=STILL_THRESHOLD,
+                     help="mean |difference| (0..1) from a still stretch's first frame that ends the stretch")
+    idl.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.cmd == "idle":
+        try:
+            ch.get_look(args.preset)
+            if not args.seconds > 0 or not args.still_threshold > 0:
+                raise ValueError("--seconds and --still-threshold must be positive")
+            report = idle_report(get_spec(args.spec), args.seconds, args.preset, weights=args.weights,
+                                 device=str(pick_device(args.device)), cache=args.cache, kv_dtype=args.kv_dtype,
+                                 seed=args.seed, still_threshold=args.still_threshold)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+        return 0
     if getattr(args, "max_offset", 1) < 1:  # offset 0 leaves one correlation: score and confidence are always 0
         print(f"error: --max-offset must be at least 1 frame, got {args.max_offset}", file=sys.stderr)
         return 2

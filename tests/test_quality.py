@@ -422,3 +422,64 @@ def test_the_device_is_a_gpu_when_one_is_visible_unless_told(tmp_path, speech, m
     argv = ["--spec", "tiny", "--audio", str(wav)] + (["--out", str(tmp_path / "sheet.png")] if command == "sheet" else [])
     assert main([command, *argv]) == 2
     assert asked == ["auto"]
+
+
+# Idle: motion, blinks, still windows -------------------------------------------------------------------
+IDLE_SIZE = (128, 128)
+
+
+def test_eye_boxes_hold_the_eyes_at_any_sway():
+    from lab.quality import eye_boxes
+
+    for preset in ch.PRESETS:
+        states = ch.neutral_state(5)
+        states[:, ch.S["dx"]] = torch.tensor([0.0, 0.035, -0.035, 0.0, 0.035])
+        states[:, ch.S["dy"]] = torch.tensor([0.0, 0.018, -0.018, 0.018, -0.018])
+        states[:, ch.S["tilt"]] = torch.tensor([0.0, 0.05, -0.05, -0.05, 0.05])
+        frames = ch.render_states(preset, states, IDLE_SIZE)
+        white = ((frames.float() / 255 - torch.tensor(ch.EYE_WHITE)).abs().amax(-1) < 0.03)  # (T, H, W)
+        inside = torch.zeros_like(white)
+        for y0, y1, x0, x1 in eye_boxes(preset, IDLE_SIZE):
+            inside[:, y0:y1, x0:x1] = True
+        assert white.any() and not (white & ~inside).any(), preset
+
+
+def test_blinks_are_found_where_the_renderer_blinked():
+    from lab.quality import detect_blinks, eye_whiteness, idle_motion_stats
+
+    n = 24 * 15
+    frames, states = ch.render_audio(np.zeros(n * SAMPLE_RATE // 24, np.float32), "kofi", seed=4, size=IDLE_SIZE,
+                                     n_frames=n)
+    truth = detect_blinks(1.0 - states[:, ch.S["blink"]])
+    found = detect_blinks(eye_whiteness(frames, "kofi"))
+    assert len(truth) >= 3 and len(found) == len(truth)
+    assert all(abs(a - b) <= 2 for a, b in zip(found, truth)), (found, truth)
+    stats = idle_motion_stats(frames, "kofi")
+    assert stats["blinks"] == len(truth) and stats["blinks_per_minute"] == pytest.approx(len(truth) * 4)
+    assert len(stats["motion_per_second"]) == 15 and stats["motion_min_second"] > 0
+    assert stats["eye_motion_mean"] > stats["motion_mean"]  # blinks and gaze move the eyes more than the picture
+    assert stats["longest_still_s"] < 2.0 and stats["still_windows_over_target"] == 0
+    assert len(stats["shift_per_second"]) == 14 and stats["shift_min_second"] > 0.003  # the head sways a lot in 1 s
+
+
+def test_a_frozen_clip_is_one_long_still_window():
+    from lab.quality import idle_motion_stats
+
+    frame = ch.reference_image("ada", IDLE_SIZE)
+    frozen = frame[None].expand(72, -1, -1, -1).contiguous()
+    stats = idle_motion_stats(frozen, "ada")
+    assert stats["longest_still_s"] == pytest.approx(71 / 24) and stats["still_windows_over_target"] == 1
+    assert stats["blinks"] == 0 and stats["motion_mean"] == 0.0 and stats["shift_min_second"] == 0.0
+    with pytest.raises(ValueError, match="uint8"):
+        idle_motion_stats(frozen.float(), "ada")
+
+
+def test_idle_cli_reports_the_engine_and_the_renderer(capsys):
+    assert main(["idle", "--spec", "tiny", "--seconds", "3", "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["frames"] == 72 and report["spec"] == "tiny"
+    for key in ("generated", "rendered"):
+        assert len(report[key]["motion_per_second"]) == 3 and "longest_still_s" in report[key]
+    assert "blinks_in_state" in report["rendered"]
+    assert main(["idle", "--spec", "tiny", "--seconds", "1", "--device", "cpu"]) == 2
+    assert "too short" in capsys.readouterr().err
