@@ -18,7 +18,7 @@ An audio-conditioned decoder (`CodecConfig.audio_mels` > 0) also reads the log-m
 its 4 frames (the engine's per-video-frame features, `engine.mel`), with `audio_context`
 frames either side: a small MLP embeds each frame's rows, and the 4 embeddings set a
 scale and shift per channel (FiLM) after the latent blocks, after each up-sampling stage
-and after the output's GroupNorm. The latent holds a group of 4 frames nearly as one
+but the last, and after the output's GroupNorm. The latent holds a group of 4 frames nearly as one
 picture; the audio lets the mouth change from frame to frame and follow each frame's own
 sound. The FiLM layers start at zero, so an audio decoder initialised from an audio-free
 one decodes exactly as it did until it is trained. `decode_step` cuts the rows a codec
@@ -248,7 +248,7 @@ class FiLM(nn.Module):
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         scale, shift = self.proj(cond)[:, :, None, None].chunk(2, dim=1)
-        return x * (1 + scale) + shift
+        return torch.addcmul(shift, x, 1 + scale)  # one pass over x
 
 
 class Decoder(nn.Module):
@@ -266,10 +266,10 @@ class Decoder(nn.Module):
         self.out = nn.Sequential(nn.GroupNorm(_groups(w[-1]), w[-1]), nn.SiLU(), nn.Conv2d(w[-1], 4 * k, 3, padding=1),
                                  nn.PixelShuffle(2))
         self.audio_rows = cfg.audio_rows
-        if cfg.audio_mels:  # after the latent blocks, after each stage, after the output's GroupNorm
+        if cfg.audio_mels:  # after the latent blocks, after each stage but the last, after the output's GroupNorm
             cond = cfg.frames_per_latent * cfg.audio_embed
             self.audio = AudioEmbed(cfg)
-            self.film = nn.ModuleList(FiLM(cond, c) for c in (w[0], *w[1:], w[-1]))
+            self.film = nn.ModuleList(FiLM(cond, c) for c in (w[0], *w[1:-1], w[-1]))
 
     def forward(self, z: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
         """(B, C, h, w), audio (B, 4 + 2 ctx, mels) with audio_mels -> (B, 12, H, W), about [-1, 1]."""
@@ -281,7 +281,9 @@ class Decoder(nn.Module):
         cond = self.audio(audio)
         x = self.film[0](x, cond)
         for i, stage in enumerate(self.stages):
-            x = self.film[i + 1](stage(x), cond)
+            x = stage(x)
+            if i < len(self.stages) - 1:  # the last stage's output is normalised and modulated at the output
+                x = self.film[i + 1](x, cond)
         x = self.film[-1](self.out[0](x), cond)
         return self.out[1:](x)
 
