@@ -524,7 +524,7 @@ def audio_decoder_loss(codec: TrainedCodec, frames: torch.Tensor, audio: torch.T
 
 
 def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes: float, device: torch.device, out: Path,
-                        work: Path, batch: int = 32, lr: float = 3e-4, new_lr: float = 1e-3, seed: int = 0,
+                        work: Path, batch: int = 32, lr: float = 1e-4, new_lr: float = 1e-3, seed: int = 0,
                         save_every: float = 120.0, resume: bool = False, latent_noise: float = 0.15,
                         motion_weight: float = 1.0, audio_context: int | None = None, audio_embed: int | None = None,
                         max_steps: int | None = None, deadline: float | None = None) -> TrainedCodec:
@@ -1003,7 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
     au.add_argument("--out", default=None, help="where the audio codec goes (default: <assets>/<spec>-codec.pt)")
     au.add_argument("--minutes", type=float, default=6.0, help="wall-clock budget")
     au.add_argument("--batch", type=int, default=32, help="4-frame groups per step")
-    au.add_argument("--lr", type=float, default=3e-4, help="learning rate of the decoder's trained weights")
+    au.add_argument("--lr", type=float, default=1e-4, help="learning rate of the decoder's trained weights")
     au.add_argument("--new-lr", type=float, default=1e-3, help="learning rate of the new audio layers")
     au.add_argument("--latent-noise", type=float, default=0.15, help="latent jitter (the DiT's error)")
     au.add_argument("--motion-weight", type=float, default=1.0, help="weight of the in-group frame-to-frame change term")
