@@ -17,6 +17,7 @@ import torch
 
 from app.config import AppConfig
 from engine.build import Loaded, build_engine, load, plan_placement, start_processes
+from engine.codec import decode_step
 from engine.config import ModelSpec, get_spec
 from engine.distributed import DistributedEngine
 from engine.options import EngineOptions, new_session
@@ -61,12 +62,12 @@ def steps_per_second(loaded: Loaded, options: EngineOptions, spec: ModelSpec, st
     session.start(torch.zeros(spec.latent_channels, *spec.latent_grid))
     audio = torch.zeros(spec.audio_window, spec.n_mels, device=loaded.device, dtype=next(loaded.model.parameters()).dtype)
     with torch.no_grad():
-        loaded.codec.decode(session.step(audio))
+        decode_step(loaded.codec, session.step(audio), audio, spec)
         if loaded.device.type == "cuda":
             torch.cuda.synchronize(loaded.device)
         started = time.perf_counter()
         for _ in range(steps):
-            frames = loaded.codec.decode(session.step(audio))
+            frames = decode_step(loaded.codec, session.step(audio), audio, spec)
         frames.cpu()  # decoded frames reach the host, as served
         return steps / (time.perf_counter() - started)
 

@@ -51,6 +51,19 @@ def test_the_measurement_runs_the_real_character_and_counts_steps():
     assert 0 < rate < 1e5
 
 
+def test_the_measurement_hands_an_audio_conditioned_codec_its_rows():
+    from dataclasses import replace
+
+    from engine.codec import build_codec, codec_config
+
+    spec = get_spec("tiny")
+    config = AppConfig(device="cpu", spec="tiny")
+    options = engine_host.engine_options(config, torch.device("cpu"))
+    loaded = load(options, spec, None)
+    loaded = replace(loaded, codec=build_codec(spec, cfg=codec_config(spec, audio=True)))
+    assert loaded.codec.audio_mels and 0 < steps_per_second(loaded, options, spec, steps=2) < 1e5
+
+
 def test_auto_is_a_spec_the_config_takes_and_an_unknown_one_is_refused():
     assert build_config(None, {}).spec == "auto"
     with pytest.raises(ValueError, match="unknown spec 'huge'; known: auto"):
