@@ -421,5 +421,5 @@ def test_a_slow_engine_keeps_the_voice_whole_holds_the_picture_and_says_so(app):
         page.click("#tl-stop")
         wait_for(lambda: controller.live is None, 30, "the session to stop")
         browser.close()
-    stats = live.stats
+    stats = wait_for(lambda: live.stats, 30, "the session's figures")  # written once its stop has run
     assert stats["underruns"] <= 2 and stats["frames_held"] > 0, stats

@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -472,11 +473,17 @@ def train_codec(spec: ModelSpec, tracks: Tracks, *, minutes: float, device: torc
         if time.perf_counter() - last_save > save_every:
             save(False)
             last_save = time.perf_counter()
+    return _save_codec_weights(ema, out, save, "codec", step, clock, spec, device)
+
+
+def _save_codec_weights(ema: EMA, out: Path, save: Callable[[bool], None], phase: str, step: int, clock: Clock,
+                        spec: ModelSpec, device: torch.device) -> TrainedCodec:
+    """A codec phase's end: its EMA weights written with their sha256 (and the last checkpoint), read back."""
     final = ema.module.eval().float()
     out.parent.mkdir(parents=True, exist_ok=True)
     digest = save_codec(final, out)
     save(True)
-    log(phase="codec", event="saved", path=str(out), sha256=digest, steps=step, elapsed=clock.elapsed,
+    log(phase=phase, event="saved", path=str(out), sha256=digest, steps=step, elapsed=clock.elapsed,
         mb=round(out.stat().st_size / 1e6, 2))
     return load_codec(spec, out).to(device)
 
@@ -592,13 +599,7 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
         if time.perf_counter() - last_save > save_every:
             save(False)
             last_save = time.perf_counter()
-    final = ema.module.eval().float()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    digest = save_codec(final, out)
-    save(True)
-    log(phase="codec-audio", event="saved", path=str(out), sha256=digest, steps=step, elapsed=clock.elapsed,
-        mb=round(out.stat().st_size / 1e6, 2))
-    return load_codec(spec, out).to(device)
+    return _save_codec_weights(ema, out, save, "codec-audio", step, clock, spec, device)
 
 
 # DiT: teacher forcing with the inference attention -----------------------------------------------------
