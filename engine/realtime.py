@@ -350,7 +350,7 @@ class RealtimeCharacter:
         if due is None or self._last_rgb is None or not self.step_seconds:
             return 0
         recent = list(self.step_seconds)[-self.HOLD_WINDOW:]
-        expected = time.monotonic() + (1 + self.lookahead) * max(recent) * self.HOLD_MARGIN
+        expected = self.playout.clock() + (1 + self.lookahead) * max(recent) * self.HOLD_MARGIN
         first_due = due + (first - self._put_until) * self.playout.period
         return max(0, math.ceil((expected - first_due) / self.playout.period) + 1)
 
