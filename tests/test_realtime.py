@@ -259,7 +259,7 @@ class SlowCodec(StandInCodec):
         return super().decode(latent)
 
 
-def run_slow(model, hold: bool, lookahead: int, seconds: float = 2.5) -> tuple[list, dict, int, int]:
+def run_slow(model, hold: bool, lookahead: int, seconds: float = 4.0) -> tuple[list, dict, int, int]:
     """A session whose steps take 0.3 s (13 fps); speech pushed once playback runs. Returns the frames played
     for `seconds` from then, the stats, the frame the speech starts on and the underruns before it."""
     import time
@@ -340,7 +340,7 @@ def test_the_decoder_gets_its_frames_rows_of_the_step_window(model):
 
 def test_the_frames_a_step_would_bring_late_are_counted_on_the_playout_clock(model):
     """Playback starts at t=100 with frames 0-3 waiting, so frame 4 is due at 100 + 4/24. A step of 0.31 s (times
-    the margin 1.5) would bring it at 100.465: 7.2 frames late, so 8 frames and one to spare are held; a step of
+    the margin 1.25) would bring it at 100.3875: 5.3 frames late, so 6 frames and one to spare are held; a step of
     0.01 s brings it in time."""
     now = [100.0]
     character = make_character(model, playout=PlayoutBuffer(prebuffer=4, max_lead=7, clock=lambda: now[0]),
@@ -348,12 +348,12 @@ def test_the_frames_a_step_would_bring_late_are_counted_on_the_playout_clock(mod
     character._put(character.make_step(), character._clears)
     character.step_seconds.clear()
     character.step_seconds.append(0.31)
-    assert character._frames_late(4) == 9
+    assert character._frames_late(4) == 7
     now[0] += 2 / 24 + 1e-6
     assert len(character.playout.pop_due()) == 3  # frames 0-2 played: frame 4 is still due at 100 + 4/24
-    assert character._frames_late(4) == 11  # and a step begun now brings it 2 frames later
+    assert character._frames_late(4) == 9  # and a step begun now brings it 2 frames later
     character.step_seconds.append(0.05)  # the slowest of the latest steps decides
-    assert character._frames_late(4) == 11
+    assert character._frames_late(4) == 9
     character.step_seconds.extend([0.04] * character.HOLD_WINDOW)
     assert character._frames_late(4) == 1  # in time by 0.02 s, less than the one frame to spare
     character.step_seconds.extend([0.01] * character.HOLD_WINDOW)
