@@ -231,7 +231,7 @@ def test_codec_audio_fine_tunes_a_decoder_that_reads_audio(tmp_path, capsys):
     loss on a fixed batch goes down from the init, the saved file (with its sha256) loads as an audio codec and
     decodes with audio, and a rerun with the same seed writes the same file."""
     from engine.checkpoint import sha256_of
-    from training.train import FrameSampler, audio_decoder_from, audio_decoder_loss, corpus_tracks, face_weights
+    from training.train import FrameSampler, audio_decoder_from, codec_loss, corpus_tracks, face_weights
 
     torch.set_num_threads(max(torch.get_num_threads(), 2))
     corpus = tmp_path / "speech.npz"
@@ -257,9 +257,9 @@ def test_codec_audio_fine_tunes_a_decoder_that_reads_audio(tmp_path, capsys):
     weights = face_weights(looks, states, TINY.image_size)
     with torch.no_grad():
         torch.manual_seed(0)
-        before = audio_decoder_loss(audio_decoder_from(base, TINY), frames, rows, weights, 0.0, 1.0)[0].item()
+        before = codec_loss(audio_decoder_from(base, TINY), frames, weights, 0.0, rows, 1.0)[0].item()
         torch.manual_seed(0)
-        after = audio_decoder_loss(tuned, frames, rows, weights, 0.0, 1.0)[0].item()
+        after = codec_loss(tuned, frames, weights, 0.0, rows, 1.0)[0].item()
     assert after < 0.8 * before, (before, after)
     z = tuned.encode_reference(image)
     assert tuned.decode(z, audio=rows[0]).shape == (4, 32, 32, 3)

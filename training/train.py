@@ -410,16 +410,37 @@ def face_weights(looks: torch.Tensor, states: torch.Tensor, size: tuple[int, int
     return (1.0 + 4.0 * mouth + 2.0 * eyes).unsqueeze(2)
 
 
-def codec_loss(codec: TrainedCodec, frames: torch.Tensor, weights: torch.Tensor,
-               latent_noise: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted L1 + edge loss of the round trip, latents jittered so the decoder tolerates DiT error."""
-    z = codec.encode_frames(frames)  # (B, C, h, w)
+def codec_loss(codec: TrainedCodec, frames: torch.Tensor, weights: torch.Tensor, latent_noise: float,
+               audio: torch.Tensor | None = None, motion_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted L1 + edge loss of the round trip, latents jittered so the decoder tolerates DiT error. An audio
+    decoder reads `audio` (each frame's log-mel rows); with `motion_weight`, the frame-to-frame change inside the
+    group against the renderer's, under the same face weights, is added: the motion a group's 4 frames must
+    show. A frozen encoder (no parameter needing a gradient) is run without one."""
+    with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in codec.encoder.parameters())):
+        z = codec.encode_frames(frames)  # (B, C, h, w)
     sigma = torch.rand(z.shape[0], 1, 1, 1, device=z.device) * latent_noise
-    out = codec.decode_frames(z + sigma * torch.randn_like(z)).float()  # (B, 4, 3, H, W)
+    out = codec.decode_frames(z + sigma * torch.randn_like(z), audio).float()  # (B, 4, 3, H, W)
     err = (out - frames).abs() * weights
     edge = sum(((torch.diff(out, dim=d) - torch.diff(frames, dim=d)).abs()).mean() for d in (-1, -2))
     mse = F.mse_loss(out.detach().clamp(0, 1), frames)
-    return err.mean() + 0.5 * edge, mse
+    loss = err.mean() + 0.5 * edge
+    if motion_weight:
+        loss = loss + motion_weight * ((torch.diff(out, dim=1) - torch.diff(frames, dim=1)).abs() * weights[:, 1:]).mean()
+    return loss, mse
+
+
+def codec_update(phase: str, codec: TrainedCodec, opt: torch.optim.Optimizer, ema: EMA, params: list[torch.Tensor],
+                 loss: torch.Tensor, mse: torch.Tensor, step: int, clock: Clock) -> None:
+    """One optimiser step of a codec phase on `loss` (gradients clipped to norm 1 over `params`), the EMA after it,
+    and a log line at its first step and every 50th (`step` counts the steps before this one)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    ema.update(codec, step)
+    if (step + 1) % 50 == 0 or step == 0:
+        log(phase=phase, step=step + 1, loss=loss.item(), psnr=-10 * math.log10(max(mse.item(), 1e-10)),
+            grad=grad.item(), lr=opt.param_groups[0]["lr"], elapsed=clock.elapsed)
 
 
 def train_codec(spec: ModelSpec, tracks: Tracks, *, minutes: float, device: torch.device, out: Path, work: Path,
@@ -461,15 +482,8 @@ def train_codec(spec: ModelSpec, tracks: Tracks, *, minutes: float, device: torc
             group["lr"] = lr_at(lr, step, clock.frac, 200)
         with autocast(device):
             loss, mse = codec_loss(codec, frames, weights, latent_noise)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad = torch.nn.utils.clip_grad_norm_(codec.parameters(), 1.0)
-        opt.step()
-        ema.update(codec, step)
+        codec_update("codec", codec, opt, ema, list(codec.parameters()), loss, mse, step, clock)
         step += 1
-        if step % 50 == 0 or step == 1:
-            log(phase="codec", step=step, loss=loss.item(), psnr=-10 * math.log10(max(mse.item(), 1e-10)),
-                grad=grad.item(), lr=opt.param_groups[0]["lr"], elapsed=clock.elapsed)
         if time.perf_counter() - last_save > save_every:
             save(False)
             last_save = time.perf_counter()
@@ -511,23 +525,6 @@ def audio_decoder_from(base: TrainedCodec, spec: ModelSpec, *, seed: int = 0, **
     if unexpected or any(not k.startswith(("decoder.audio.", "decoder.film.")) for k in missing):
         raise ValueError(f"codec {base.cfg.name} does not fit the audio decoder: missing {missing}, unexpected {unexpected}")
     return codec.to(next(base.parameters()).device)
-
-
-def audio_decoder_loss(codec: TrainedCodec, frames: torch.Tensor, audio: torch.Tensor, weights: torch.Tensor,
-                       latent_noise: float, motion_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """codec_loss's weighted L1 + edge terms with the encoder frozen (the latents the DiT was trained on), plus
-    the frame-to-frame change inside the group against the renderer's, under the same face weights: the
-    motion a group's 4 frames must show."""
-    with torch.no_grad():
-        z = codec.encode_frames(frames)  # (B, C, h, w)
-        sigma = torch.rand(z.shape[0], 1, 1, 1, device=z.device) * latent_noise
-        z = z + sigma * torch.randn_like(z)
-    out = codec.decode_frames(z, audio).float()  # (B, 4, 3, H, W)
-    err = (out - frames).abs() * weights
-    edge = sum(((torch.diff(out, dim=d) - torch.diff(frames, dim=d)).abs()).mean() for d in (-1, -2))
-    motion = ((torch.diff(out, dim=1) - torch.diff(frames, dim=1)).abs() * weights[:, 1:]).mean()
-    mse = F.mse_loss(out.detach().clamp(0, 1), frames)
-    return err.mean() + 0.5 * edge + motion_weight * motion, mse
 
 
 def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes: float, device: torch.device, out: Path,
@@ -586,16 +583,9 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
         for group in opt.param_groups:
             group["lr"] = lr_at(group["base"], step, frac(), warmup)
         with autocast(device):
-            loss, mse = audio_decoder_loss(codec, frames, rows, weights, latent_noise, motion_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad = torch.nn.utils.clip_grad_norm_(old + new, 1.0)
-        opt.step()
-        ema.update(codec, step)
+            loss, mse = codec_loss(codec, frames, weights, latent_noise, rows, motion_weight)
+        codec_update("codec-audio", codec, opt, ema, old + new, loss, mse, step, clock)
         step += 1
-        if step % 50 == 0 or step == 1:
-            log(phase="codec-audio", step=step, loss=loss.item(), psnr=-10 * math.log10(max(mse.item(), 1e-10)),
-                grad=grad.item(), lr=opt.param_groups[0]["lr"], elapsed=clock.elapsed)
         if time.perf_counter() - last_save > save_every:
             save(False)
             last_save = time.perf_counter()
