@@ -51,7 +51,15 @@ from engine import character as ch
 from engine.audio import SAMPLE_RATE, frame_sample, load_wav_16k
 from engine.audio import read_audio as read_audio_file
 from engine.build import build_engine
-from engine.options import CONFIG_PRESETS, EngineOptions, check_options, options_device, parse_options
+from engine.cache import KV_DTYPES
+from engine.options import (
+    CONFIG_PRESETS,
+    EngineOptions,
+    check_options,
+    options_device,
+    parse_options,
+)
+from engine.session import CACHES
 from engine.weights import pick_device
 
 if TYPE_CHECKING:
@@ -670,22 +678,25 @@ def sheet(spec, pcm: np.ndarray, presets: list[str], out: str | Path, *, every: 
             "layout": "per preset: generated row, then the renderer's row" if with_renderer else "generated rows"}
 
 
+def engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine a report runs: the character, its weights, the device, the cache and the noise seed."""
+    parser.add_argument("--preset", default="ada", help=f"one of {', '.join(ch.PRESETS)}")
+    parser.add_argument("--weights", help="DiT checkpoint (default: the one shipped for the spec)")
+    parser.add_argument("--device", default="auto", help="auto (a GPU when one is visible), cpu, cuda or cuda:N")
+    parser.add_argument("--cache", default="ring", choices=CACHES)
+    parser.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from engine.cache import KV_DTYPES
     from engine.config import SPECS, get_spec
-    from engine.session import CACHES
 
     p = argparse.ArgumentParser(prog="python -m lab.quality", description=__doc__.strip().splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("lipsync", help="score generated frames against the audio, with ceiling and floor")
     ls.add_argument("--spec", default="demo", choices=sorted(SPECS))
     ls.add_argument("--audio", required=True, help="any audio file FFmpeg reads")
-    ls.add_argument("--preset", default="ada", help=f"one of {', '.join(ch.PRESETS)}")
-    ls.add_argument("--weights", help="DiT checkpoint (default: the one shipped for the spec)")
-    ls.add_argument("--device", default="auto", help="auto (a GPU when one is visible), cpu, cuda or cuda:N")
-    ls.add_argument("--cache", default="ring", choices=CACHES)
-    ls.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
-    ls.add_argument("--seed", type=int, default=0)
+    engine_arguments(ls)
     ls.add_argument("--max-offset", type=int, default=MAX_OFFSET, help="frames searched either side")
     ls.add_argument("--minutes", type=float, default=None, help="long session: loop the audio this long, report per minute")
     ls.add_argument("--max-seconds", type=float, default=120.0, help="refuse longer audio")
@@ -729,12 +740,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "window, against the renderer's idle frames")
     idl.add_argument("--spec", default="demo", choices=sorted(SPECS))
     idl.add_argument("--seconds", type=float, default=60.0)
-    idl.add_argument("--preset", default="ada", help=f"one of {', '.join(ch.PRESETS)}")
-    idl.add_argument("--weights", help="DiT checkpoint (default: the one shipped for the spec)")
-    idl.add_argument("--device", default="auto", help="auto (a GPU when one is visible), cpu, cuda or cuda:N")
-    idl.add_argument("--cache", default="ring", choices=CACHES)
-    idl.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
-    idl.add_argument("--seed", type=int, default=0)
+    engine_arguments(idl)
     idl.add_argument("--still-threshold", type=float, default=STILL_THRESHOLD,
                      help="mean |difference| (0..1) from a still stretch's first frame that ends the stretch")
     idl.add_argument("--json", action="store_true", help="print one JSON object")
