@@ -101,8 +101,6 @@ CONVERSATIONS: tuple[tuple[Turn, ...], ...] = (
 _LIST_OR_MARKUP = re.compile(r"(^|\s)(\d+[.)]|[-*•+])\s|[*_#`|\[\]]|https?://")
 _PICTOGRAPH = re.compile("[\U0001f000-\U0001faff\u2600-\u27bf]")
 _FIGURE = re.compile(r"\d")
-# Out of character: the model speaking of itself as a program. A reply that does is not a right answer.
-_OUT_OF_CHARACTER = OUT_OF_CHARACTER
 
 
 def normalise(text: str) -> str:
@@ -146,7 +144,7 @@ def run_conversations(agent, conversations=CONVERSATIONS) -> list[dict[str, Any]
             sentences = [s for s in written if in_character(s)]  # what the voice loop says
             reply = " ".join(sentences)
             missing = [f[0] for f in turn.facts if not has_fact(reply, f)]
-            out_of_character = bool(_OUT_OF_CHARACTER.search(" ".join(written)))  # the model's, said or not
+            out_of_character = bool(OUT_OF_CHARACTER.search(" ".join(written)))  # the model's own text, said or not
             results.append({
                 "conversation": number, "kind": turn.kind, "said": turn.said, "reply": reply,
                 "correct": not missing and not out_of_character, "missing": missing,
