@@ -69,10 +69,9 @@ def word_recall(questions: list[str], transcripts: list[str]) -> float:
 
 def concealed_share(page) -> dict[str, Any]:
     """The character's audio as the browser received it: samples received, and those it made up for gaps."""
-    got = page.evaluate("""async () => { let found = null;
-        (await window.talkloop.state.pc.getStats()).forEach((s) => {
-            if (s.type === 'inbound-rtp' && s.kind === 'audio') found = s; });
-        return found && { received: found.totalSamplesReceived, concealed: found.concealedSamples }; }""")
+    from lab.browser import voice_received
+
+    got = voice_received(page)
     if not got or not got["received"]:
         return {"received_samples": 0, "concealed_share": None}
     return {"received_samples": got["received"], "concealed_share": round(got["concealed"] / got["received"], 4)}
@@ -119,7 +118,7 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             if args.screenshot:
                 time.sleep(1.0)  # one more panel refresh
                 page.screenshot(path=args.screenshot, full_page=True)
-            voice_received = concealed_share(page)
+            voice_at_browser = concealed_share(page)
             browser.close()
         live = controller.live
         health = controller.health()
@@ -148,7 +147,7 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                                                  "av_offset_ms")},
                    "video_fps": round(engine_stats.get("video_fps", 0.0), 2), "frames_held": engine_stats.get("frames_held", 0),
                    "real_time": health.get("real_time")},
-        "voice_at_the_browser": voice_received,
+        "voice_at_the_browser": voice_at_browser,
         "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
         "load_average_before": [round(x, 2) for x in load_before],
         "microphone": {"constraints": config.microphone_constraints(), "peak": round(live.mic_peak, 3) if live else None,

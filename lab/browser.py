@@ -175,6 +175,16 @@ def start_in_browser(playwright, wav: str | Path | None, port: int, *, deny_micr
     return browser, page
 
 
+def voice_received(page) -> dict[str, int] | None:
+    """The browser's counts for the character's voice track (None before it has one): packets received and
+    discarded, samples received and those it concealed (made up for gaps)."""
+    return page.evaluate("""async () => { let found = null;
+        (await window.talkloop.state.pc.getStats()).forEach((s) => {
+            if (s.type === 'inbound-rtp' && s.kind === 'audio') found = s; });
+        return found && { packets: found.packetsReceived, discarded: found.packetsDiscarded,
+                          received: found.totalSamplesReceived, concealed: found.concealedSamples }; }""")
+
+
 def page_now_ms(page) -> float:
     return page.evaluate("() => performance.timeOrigin + performance.now()")
 

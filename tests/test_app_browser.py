@@ -24,7 +24,7 @@ from playwright.sync_api import sync_playwright  # noqa: E402
 
 from lab.app_bench import word_recall  # noqa: E402
 from lab.browser import (SCRIPTED_MIC, ask_and_hear_the_reply, barge_in, conversation_wav, launch_chromium, say,  # noqa: E402
-                         start_in_browser, start_server, stop_server)
+                         start_in_browser, start_server, stop_server, voice_received)
 from app.config import build_config  # noqa: E402
 from app.controller import RECENT_SYNC_REPORTS, Controller  # noqa: E402
 from app.latency import STAGES  # noqa: E402
@@ -138,12 +138,9 @@ def test_one_turn_in_the_browser(app):
 
         # The voice arrives whole: packets the browser discards (duplicates of one RTP timestamp) are concealed
         # as gaps in the speech.
-        audio = page.evaluate("""async () => { let found = null;
-            (await window.talkloop.state.pc.getStats()).forEach((s) => {
-                if (s.type === 'inbound-rtp' && s.kind === 'audio') found = s; });
-            return found && { received: found.packetsReceived, discarded: found.packetsDiscarded }; }""")
-        assert audio and audio["received"] > 100, audio
-        assert audio["discarded"] <= 0.02 * audio["received"], audio
+        audio = voice_received(page)
+        assert audio and audio["packets"] > 100, audio
+        assert audio["discarded"] <= 0.02 * audio["packets"], audio
 
         shot = Path(os.environ.get("TALKLOOP_SCREENSHOT", tmp / "app.png"))
         page.screenshot(path=str(shot), full_page=True)
@@ -391,14 +388,6 @@ def test_stop_mid_reply_keeps_what_was_heard_on_the_page_in_the_transcript_and_i
     assert mp4_voiced_seconds(rec.video) == pytest.approx(turn["heard_span_s"], abs=0.3)
 
 
-def audio_received(page) -> dict:
-    """The browser's count of the character's audio samples received and of those it concealed (made up for gaps)."""
-    return page.evaluate("""async () => { let found = null;
-        (await window.talkloop.state.pc.getStats()).forEach((s) => {
-            if (s.type === 'inbound-rtp' && s.kind === 'audio') found = s; });
-        return { received: found.totalSamplesReceived, concealed: found.concealedSamples }; }""")
-
-
 def test_a_slow_engine_keeps_the_voice_whole_holds_the_picture_and_says_so(app):
     """Each engine step slowed by 0.25 s (about 12 of 24 new pictures a second): over a whole spoken reply the
     character's voice still plays on the clock without gaps, the picture holds between the frames the engine
@@ -409,10 +398,10 @@ def test_a_slow_engine_keeps_the_voice_whole_holds_the_picture_and_says_so(app):
         live = controller.live
         live.character.before_step = lambda step: time.sleep(0.25)  # the engine thread's own hook
         time.sleep(2.0)  # the first slowed steps, before the step times show it, may run the buffer dry
-        before = audio_received(page)
+        before = voice_received(page)
         ask_and_hear_the_reply(page, live, piper_speech(LONG_QUESTION))
         wait_for(lambda: not live.voice.is_speaking, 60, "the reply to be heard out")  # the whole reply, measured
-        after = audio_received(page)
+        after = voice_received(page)
         received, concealed = after["received"] - before["received"], after["concealed"] - before["concealed"]
         assert received > 48_000 * 6, (before, after)  # over 6 s of the voice's track at 48 kHz
         assert concealed <= 0.05 * received, (before, after)
