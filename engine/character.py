@@ -8,9 +8,9 @@ frames, so one call renders a whole clip on the CPU or the GPU:
 A *look* (face shape, colours, hair, eyes) is a flat float vector so a batch can
 mix characters; `PRESETS` holds the named ones, `random_look` makes new ones for
 training. The per-frame *state* (head sway, tilt, blink, gaze, mouth opening and
-roundness) is the ground truth the clip was drawn from: idle motion comes from a
-seed, the mouth from the audio's log-mel features (loudness opens it, the low/high
-band balance rounds or widens it).
+roundness, brows, smile) is the ground truth the clip was drawn from: idle motion comes
+from a seed, the mouth from the audio's log-mel features (loudness opens it, the low/high
+band balance rounds or widens it), listening motion from the user's voice (`listen`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _look_index() -> tuple[dict[str, slice], int]:
 
 LOOK_INDEX, LOOK_SIZE = _look_index()
 
-STATE_FIELDS = ("dx", "dy", "tilt", "blink", "gaze_x", "gaze_y", "open", "round")
+STATE_FIELDS = ("dx", "dy", "tilt", "blink", "gaze_x", "gaze_y", "open", "round", "brow", "smile")
 STATE_SIZE = len(STATE_FIELDS)
 S = {name: i for i, name in enumerate(STATE_FIELDS)}
 
@@ -248,9 +248,35 @@ def idle_motion(n_frames: int, seed: int, first_frame: int = 0, fps: int = 24) -
     return torch.from_numpy(np.stack([dx, dy, tilt, blink, gx, gy], 1)).float()
 
 
-def frame_states(mouth: torch.Tensor, seed: int, first_frame: int = 0, fps: int = 24) -> torch.Tensor:
-    """Mouth (T, 2) + the seed's idle motion -> full per-frame state (T, STATE_SIZE)."""
-    return torch.cat([idle_motion(mouth.shape[0], seed, first_frame, fps), mouth.float()], 1)
+def frame_states(mouth: torch.Tensor, seed: int, first_frame: int = 0, fps: int = 24,
+                 listening: torch.Tensor | None = None) -> torch.Tensor:
+    """Mouth (T, 2) + the seed's idle motion -> full per-frame state (T, STATE_SIZE); with `listening` (T, 3),
+    the rows of the user's voice (engine.listen), the listening motion on top."""
+    states = torch.cat([idle_motion(mouth.shape[0], seed, first_frame, fps), mouth.float(),
+                        torch.zeros(mouth.shape[0], 2)], 1)
+    return states if listening is None else listen(states, listening)
+
+
+# Listening motion --------------------------------------------------------------------
+NOD = 0.03  # head dip (look units) at a full pause
+BROW_RAISE = 0.035  # brow lift at full voice
+SMILE_LIFT = 0.035  # mouth-corner lift at a full smile
+GAZE_HOLD = 0.8  # share of the idle gaze drawn back to the camera while engaged
+
+
+def listen(states: torch.Tensor, listening: torch.Tensor) -> torch.Tensor:
+    """States (..., STATE_SIZE) with the listening motion of rows (..., 3) of the user's voice (engine.listen:
+    voice, engaged, pause): a nod just after the user stops, brows up while they speak, mouth corners up and
+    eyes to the camera while they have been speaking a while. Silent rows (zeros) change nothing."""
+    voice, engaged, pause = listening.to(states).unbind(-1)
+    out = states.clone()
+    out[..., S["dy"]] = states[..., S["dy"]] + NOD * pause
+    out[..., S["brow"]] = states[..., S["brow"]] + voice
+    out[..., S["smile"]] = states[..., S["smile"]] + engaged
+    hold = 1.0 - GAZE_HOLD * engaged.clamp(0, 1)
+    out[..., S["gaze_x"]] = states[..., S["gaze_x"]] * hold
+    out[..., S["gaze_y"]] = states[..., S["gaze_y"]] * hold
+    return out
 
 
 def neutral_state(n: int = 1) -> torch.Tensor:
@@ -360,7 +386,7 @@ def render(looks: torch.Tensor, states: torch.Tensor, size: tuple[int, int] = (2
 
     # Brows: arcs above the eyes, thickness brow_thick.
     ey, edx = L("eye_y"), L("eye_dx")
-    by = ey - L("brow_lift")
+    by = ey - L("brow_lift") - BROW_RAISE * St("brow").clamp(0, 1)
     brow_col = L("hair") * 0.7
     for side in (-1.0, 1.0):
         bx = x - side * edx
@@ -394,7 +420,7 @@ def render(looks: torch.Tensor, states: torch.Tensor, size: tuple[int, int] = (2
     op, rd = St("open").clamp(0, 1), St("round").clamp(0, 1)
     mw = L("mouth_w") * (1.0 + 0.5 * (0.5 - rd) - 0.15 * op * rd)
     mh = 0.007 + op * L("mouth_w") * (0.42 + 0.38 * rd)
-    my = y - L("mouth_y")
+    my = y - L("mouth_y") + SMILE_LIFT * St("smile").clamp(0, 1) * (x / mw) ** 2  # corners up with the smile
     upper = torch.where(my < 0, 0.6, 1.0)  # flatter upper lip
     lips = _ellipse(x, my, mw + 0.02, (mh + 0.016) * upper)
     img = _over(img, L("lips"), fill(lips))

@@ -16,13 +16,22 @@ frames.
 
 An audio-conditioned decoder (`CodecConfig.audio_mels` > 0) also reads the log-mel rows of
 its 4 frames (the engine's per-video-frame features, `engine.mel`), with `audio_context`
-frames either side: a small MLP embeds each frame's rows, and the 4 embeddings set a
-scale and shift per channel (FiLM) after the latent blocks, after each up-sampling stage
-but the last, and after the output's GroupNorm. The latent holds a group of 4 frames nearly as one
-picture; the audio lets the mouth change from frame to frame and follow each frame's own
-sound. The FiLM layers start at zero, so an audio decoder initialised from an audio-free
-one decodes exactly as it did until it is trained. `decode_step` cuts the rows a codec
+frames either side: a small MLP embeds each frame's rows; the 4 embeddings together set a
+scale and shift per channel (FiLM) after the latent blocks and each up-sampling stage but
+the last, and each frame's own embedding modulates its own copy of the output features,
+which that frame's slice of the output convolution draws (a grouped convolution with the
+same weights). The latent holds a group of 4 frames nearly as one picture; the audio lets
+the mouth change from frame to frame and follow each frame's own sound. The FiLM layers
+start at zero, so an audio decoder initialised from an audio-free one decodes as it did
+until it is trained (to float summation order: the grouped output convolution adds in
+another order). `decode_step` cuts the rows a codec
 reads from a step's audio window (the DiT's), for the engine's local and remote decoders.
+
+With `listen_features` > 0 the audio decoder has a second, weaker stream: the rows of the
+user's voice for its 4 frames (`engine.listen`), embedded by a smaller MLP and joined to the
+speech embedding before the FiLM layers. It draws the listening motion (nods, brows, mouth
+corners, gaze) that the renderer's training frames show while the user speaks; rows of
+silence (zeros) leave the picture as the speech alone makes it.
 """
 
 from __future__ import annotations
@@ -48,7 +57,8 @@ class Codec(Protocol):
     audio_mels: int  # 0: decode ignores audio
     audio_context: int  # audio frames read either side of the 4
 
-    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor: ...  # (C, h, w) -> (4, H, W, 3) uint8
+    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None,
+               listen: torch.Tensor | None = None) -> torch.Tensor: ...  # (C, h, w) -> (4, H, W, 3) uint8
 
     def encode_reference(self, image: torch.Tensor) -> torch.Tensor: ...  # (H, W, 3) uint8 -> (C, h, w)
 
@@ -77,14 +87,19 @@ def step_audio_rows(window: torch.Tensor, spec: ModelSpec, context: int) -> torc
     return window[lo:lo + spec.frames_per_latent + 2 * context]
 
 
-def decode_step(codec: Codec, latent: torch.Tensor, window: torch.Tensor | None, spec: ModelSpec) -> torch.Tensor:
+def decode_step(codec: Codec, latent: torch.Tensor, window: torch.Tensor | None, spec: ModelSpec,
+                listen: torch.Tensor | None = None) -> torch.Tensor:
     """One step's frames: the codec decodes `latent` with the rows of the step's audio `window` it reads
-    (an audio-free codec is called with the latent alone)."""
+    (an audio-free codec is called with the latent alone), and a listening codec with `listen`, the rows
+    (4, LISTEN_FEATURES) of the user's voice for these frames (None: the user is silent)."""
     if not getattr(codec, "audio_mels", 0):
         return codec.decode(latent)
     if window is None:
         raise ValueError("this codec is audio-conditioned: the step's audio window must come with its latent")
-    return codec.decode(latent, audio=step_audio_rows(window, spec, codec.audio_context))
+    rows = step_audio_rows(window, spec, codec.audio_context)
+    if getattr(codec, "listen_features", 0):
+        return codec.decode(latent, audio=rows, listen=listen)
+    return codec.decode(latent, audio=rows)
 
 
 class StandInCodec(nn.Module):
@@ -93,6 +108,7 @@ class StandInCodec(nn.Module):
 
     audio_mels = 0
     audio_context = 0
+    listen_features = 0
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
         super().__init__()
@@ -103,7 +119,8 @@ class StandInCodec(nn.Module):
         self.register_buffer("to_latent", torch.randn(c, 3, generator=g))
 
     @torch.no_grad()
-    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None,
+               listen: torch.Tensor | None = None) -> torch.Tensor:
         k = self.spec.frames_per_latent
         rgb = torch.einsum("oc,chw->ohw", self.to_rgb.to(latent), latent)  # (4*3, h, w)
         rgb = F.interpolate(rgb[None].float(), size=self.spec.image_size, mode="bilinear", align_corners=False)[0]
@@ -130,6 +147,8 @@ class CodecConfig:
     audio_mels: int = 0  # log-mel bands of each frame's audio the decoder reads; 0: no audio (the original decoder)
     audio_context: int = 0  # frames of audio either side of each decoded frame
     audio_embed: int = 32  # width of one frame's audio embedding (with audio_mels > 0)
+    listen_features: int = 0  # rows per frame of the user's voice (engine.listen) an audio decoder reads; 0: none
+    listen_embed: int = 16  # width of the 4 frames' listening embedding (with listen_features > 0)
 
     def __post_init__(self) -> None:
         n = self.levels
@@ -137,6 +156,9 @@ class CodecConfig:
             raise ValueError(f"codec {self.name}: {n} down-samplings need {n + 1} encoder and {n} decoder widths")
         if self.audio_mels < 0 or self.audio_context < 0 or (self.audio_mels and self.audio_embed < 1):
             raise ValueError(f"codec {self.name}: audio_mels and audio_context must be >= 0 and audio_embed >= 1")
+        if self.listen_features < 0 or (self.listen_features and (not self.audio_mels or self.listen_embed < 1)):
+            raise ValueError(f"codec {self.name}: a listening stream (listen_features {self.listen_features}) needs an "
+                             f"audio decoder (audio_mels > 0) and listen_embed >= 1")
 
     @property
     def audio_rows(self) -> int:
@@ -151,13 +173,13 @@ class CodecConfig:
         """The fields a checkpoint records; an audio-free codec leaves the audio fields out, so that its
         checkpoints are written, and compared at load, exactly as before they existed."""
         d = asdict(self)
-        if not self.audio_mels:
-            for key in AUDIO_FIELDS:
-                d.pop(key)
+        for key in AUDIO_FIELDS if not self.audio_mels else LISTEN_FIELDS if not self.listen_features else ():
+            d.pop(key)
         return d
 
 
-AUDIO_FIELDS = ("audio_mels", "audio_context", "audio_embed")
+LISTEN_FIELDS = ("listen_features", "listen_embed")
+AUDIO_FIELDS = ("audio_mels", "audio_context", "audio_embed", *LISTEN_FIELDS)
 
 
 def _levels(image_size: tuple[int, int], latent_grid: tuple[int, int]) -> int:
@@ -224,7 +246,7 @@ class Encoder(nn.Module):
 
 class AudioEmbed(nn.Module):
     """Each decoded frame's audio rows (its own and `audio_context` either side) -> an embedding; the 4 frames'
-    embeddings side by side condition the whole decoder: (B, 4 + 2 ctx, mels) -> (B, 4 * embed)."""
+    embeddings condition the decoder: (B, 4 + 2 ctx, mels) -> (B, 4, embed)."""
 
     def __init__(self, cfg: CodecConfig):
         super().__init__()
@@ -234,7 +256,7 @@ class AudioEmbed(nn.Module):
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
         frames = audio.unfold(1, self.span, 1).flatten(2)  # (B, 4, mels * span): frame j reads rows j .. j + 2 ctx
-        return self.mlp(frames).flatten(1)
+        return self.mlp(frames)  # (B, 4, embed)
 
 
 class FiLM(nn.Module):
@@ -247,7 +269,8 @@ class FiLM(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.proj(cond)[:, :, None, None].chunk(2, dim=1)
+        """x (B, C, H, W) and cond (B, cond), or x (B, 1, C, H, W) and cond (B, F, cond): F modulated copies."""
+        scale, shift = self.proj(cond)[..., None, None].chunk(2, dim=-3)
         return torch.addcmul(shift, x, 1 + scale)  # one pass over x
 
 
@@ -266,26 +289,41 @@ class Decoder(nn.Module):
         self.out = nn.Sequential(nn.GroupNorm(_groups(w[-1]), w[-1]), nn.SiLU(), nn.Conv2d(w[-1], 4 * k, 3, padding=1),
                                  nn.PixelShuffle(2))
         self.audio_rows = cfg.audio_rows
-        if cfg.audio_mels:  # after the latent blocks, after each stage but the last, after the output's GroupNorm
-            cond = cfg.frames_per_latent * cfg.audio_embed
+        self.frames, self.listen_features = cfg.frames_per_latent, cfg.listen_features
+        if cfg.audio_mels:
+            # Shared FiLM (all 4 frames' embeddings) after the latent blocks and each stage but the last; then one
+            # modulated copy of the output features per frame, from that frame's own embedding, each drawn by its
+            # frame's slice of the output convolution (a grouped convolution with the same weights).
+            frame_cond = cfg.audio_embed + (cfg.listen_embed if cfg.listen_features else 0)
             self.audio = AudioEmbed(cfg)
-            self.film = nn.ModuleList(FiLM(cond, c) for c in (w[0], *w[1:-1], w[-1]))
+            if cfg.listen_features:
+                e = cfg.listen_embed
+                self.listen = nn.Sequential(nn.Linear(cfg.listen_features, e), nn.SiLU(), nn.Linear(e, e), nn.SiLU())
+            self.film = nn.ModuleList(FiLM(cfg.frames_per_latent * frame_cond, c) for c in (w[0], *w[1:-1]))
+            self.frame_film = FiLM(frame_cond, w[-1])
 
-    def forward(self, z: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, C, h, w), audio (B, 4 + 2 ctx, mels) with audio_mels -> (B, 12, H, W), about [-1, 1]."""
+    def forward(self, z: torch.Tensor, audio: torch.Tensor | None = None, listen: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, C, h, w), audio (B, 4 + 2 ctx, mels) with audio_mels, listen (B, 4, listen_features) with
+        listen_features (None: silence) -> (B, 12, H, W), about [-1, 1]."""
         x = self.latent_blocks(self.stem(z))
         if not self.audio_rows:
             for stage in self.stages:
                 x = stage(x)
             return self.out(x)
-        cond = self.audio(audio)
+        per_frame = self.audio(audio)  # (B, 4, embed)
+        if self.listen_features:
+            heard = listen if listen is not None else per_frame.new_zeros(z.shape[0], self.frames, self.listen_features)
+            per_frame = torch.cat([per_frame, self.listen(heard.to(per_frame.dtype))], -1)
+        cond = per_frame.flatten(1)
         x = self.film[0](x, cond)
         for i, stage in enumerate(self.stages):
             x = stage(x)
             if i < len(self.stages) - 1:  # the last stage's output is normalised and modulated at the output
                 x = self.film[i + 1](x, cond)
-        x = self.film[-1](self.out[0](x), cond)
-        return self.out[1:](x)
+        x = self.frame_film(self.out[0](x)[:, None], per_frame)  # (B, 4, C, H/2, W/2)
+        conv = self.out[2]
+        x = F.conv2d(self.out[1](x.flatten(1, 2)), conv.weight, conv.bias, padding=1, groups=self.frames)
+        return self.out[3](x)
 
 
 class TrainedCodec(nn.Module):
@@ -314,9 +352,15 @@ class TrainedCodec(nn.Module):
     def audio_context(self) -> int:
         return self.cfg.audio_context
 
-    def decode_frames(self, latents: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def listen_features(self) -> int:
+        return self.cfg.listen_features
+
+    def decode_frames(self, latents: torch.Tensor, audio: torch.Tensor | None = None,
+                      listen: torch.Tensor | None = None) -> torch.Tensor:
         """Latents (B, C, h, w) -> float frames (B, 4, 3, H, W), about [0, 1] (not clamped). An audio decoder
-        needs `audio` (B, 4 + 2 audio_context, audio_mels): each frame's log-mel rows; others ignore it."""
+        needs `audio` (B, 4 + 2 audio_context, audio_mels): each frame's log-mel rows; others ignore it. A
+        listening one reads `listen` (B, 4, listen_features), the user's voice (None: silence)."""
         c, (h, w) = self.cfg.latent_channels, self.cfg.latent_grid
         if latents.ndim != 4 or tuple(latents.shape[1:]) != (c, h, w):
             raise ValueError(f"latents must be (B, {c}, {h}, {w}), got {tuple(latents.shape)}")
@@ -326,7 +370,10 @@ class TrainedCodec(nn.Module):
                 raise ValueError(f"this codec is audio-conditioned: decoding needs each frame's audio features {rows[1:]}")
             if tuple(audio.shape) != rows:
                 raise ValueError(f"audio must be {rows}, got {tuple(audio.shape)}")
-            out = self.decoder(latents, audio.to(latents.dtype))
+            heard = (latents.shape[0], self.cfg.frames_per_latent, self.cfg.listen_features)
+            if listen is not None and self.cfg.listen_features and tuple(listen.shape) != heard:
+                raise ValueError(f"listening rows must be {heard}, got {tuple(listen.shape)}")
+            out = self.decoder(latents, audio.to(latents.dtype), listen if self.cfg.listen_features else None)
         else:
             out = self.decoder(latents)
         return (out.unflatten(1, (self.cfg.frames_per_latent, 3)) + 1.0) / 2.0
@@ -336,19 +383,27 @@ class TrainedCodec(nn.Module):
         return next(self.parameters())
 
     @torch.no_grad()
-    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, latent: torch.Tensor, audio: torch.Tensor | None = None,
+               listen: torch.Tensor | None = None) -> torch.Tensor:
         """One latent frame (C, h, w) -> 4 RGB frames (4, H, W, 3) uint8. An audio decoder needs `audio`
         (4 + 2 audio_context, audio_mels): the log-mel rows of frames first - audio_context on (`decode_step`
-        cuts them from a step's window); an audio-free one ignores it."""
+        cuts them from a step's window); an audio-free one ignores it. A listening decoder reads `listen`
+        (4, listen_features), the user's voice over the 4 frames (None: silence)."""
         c, (h, w) = self.cfg.latent_channels, self.cfg.latent_grid
         if not isinstance(latent, torch.Tensor) or tuple(latent.shape) != (c, h, w):
             shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
             raise ValueError(f"latent must have shape {(c, h, w)}, got {shape}")
         p = self._param()
-        rows = None
+        rows = heard = None
         if self.cfg.audio_mels:
             rows = self._check_audio(audio)[None].to(p.device, p.dtype, non_blocking=True)
-        frames = self.decode_frames(latent[None].to(p.device, p.dtype), rows)[0]  # (4, 3, H, W)
+        if self.cfg.listen_features and listen is not None:
+            expected = (self.cfg.frames_per_latent, self.cfg.listen_features)
+            if not isinstance(listen, torch.Tensor) or tuple(listen.shape) != expected:
+                shape = tuple(listen.shape) if isinstance(listen, torch.Tensor) else type(listen).__name__
+                raise ValueError(f"listening rows must have shape {expected}, got {shape}")
+            heard = listen[None].to(p.device, p.dtype, non_blocking=True)
+        frames = self.decode_frames(latent[None].to(p.device, p.dtype), rows, heard)[0]  # (4, 3, H, W)
         return (frames.permute(0, 2, 3, 1).float().clamp(0, 1) * 255.0).round().to(torch.uint8)
 
     def _check_audio(self, audio: torch.Tensor | None) -> torch.Tensor:

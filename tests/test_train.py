@@ -253,16 +253,22 @@ def test_codec_audio_fine_tunes_a_decoder_that_reads_audio(tmp_path, capsys):
     assert torch.equal(tuned.encode_reference(image), base.encode_reference(image))  # encoder frozen
     pcm, _ = load_corpus(corpus)
     sampler = FrameSampler(TINY, corpus_tracks(pcm, TINY), seed=99, device=torch.device("cpu"))
-    frames, looks, states, rows = sampler.sample_with_audio(16, 1)
+    frames, looks, states, rows, heard, source = sampler.sample_with_audio(16, 1, listen=True)
+    assert tuned.cfg.listen_features == heard.shape[-1] == 3 and heard.abs().sum() > 0
+    hearing = heard.flatten(1).abs().sum(1) > 0
+    assert not torch.equal(frames[hearing], source[hearing])  # the encoder sees no listening motion
     weights = face_weights(looks, states, TINY.image_size)
     with torch.no_grad():
         torch.manual_seed(0)
-        before = codec_loss(audio_decoder_from(base, TINY), frames, weights, 0.0, rows, 1.0)[0].item()
+        before = codec_loss(audio_decoder_from(base, TINY, listen_features=3), frames, weights, 0.0, rows, 1.0,
+                            heard, source)[0].item()
         torch.manual_seed(0)
-        after = codec_loss(tuned, frames, weights, 0.0, rows, 1.0)[0].item()
+        after = codec_loss(tuned, frames, weights, 0.0, rows, 1.0, heard, source)[0].item()
     assert after < 0.8 * before, (before, after)
     z = tuned.encode_reference(image)
-    assert tuned.decode(z, audio=rows[0]).shape == (4, 32, 32, 3)
-    with torch.no_grad():  # the audio counts
+    assert tuned.decode(z, audio=rows[0]).shape == tuned.decode(z, audio=rows[0], listen=heard[0]).shape == (4, 32, 32, 3)
+    with torch.no_grad():  # the audio counts, and so does the user's voice
         louder = tuned.decode_frames(z[None], rows[:1] + 0.5) - tuned.decode_frames(z[None], rows[:1])
-    assert louder.abs().max() > 1e-3
+        heard_one = torch.full((1, 4, 3), 0.8)
+        listening = tuned.decode_frames(z[None], rows[:1], heard_one) - tuned.decode_frames(z[None], rows[:1])
+    assert louder.abs().max() > 1e-3 and listening.abs().max() > 1e-3

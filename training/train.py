@@ -54,6 +54,7 @@ from engine.audio import SAMPLE_RATE, read_wav, resample
 from engine.checkpoint import install_checkpoint, remove_checkpoint, save_checkpoint, sha256_of
 from engine.codec import TrainedCodec, build_codec, codec_config, codec_path, load_codec, save_codec
 from engine.config import SPECS, ModelSpec, get_spec
+from engine.listen import LISTEN_FEATURES, listening_features
 from engine.mel import log_mel_frames, silence_features
 from engine.model import CausalVideoDiT, HeadNorm, apply_head_norm, build_model
 from engine.rope import apply_rope, cos_sin, frame_positions, reference_positions, rope_angles
@@ -244,6 +245,7 @@ def load_corpus(path: str | Path) -> tuple[np.ndarray, dict]:
 class Tracks:
     features: torch.Tensor  # (n_frames, n_mels): the DiT's audio features on the corpus frame clock
     mouth: torch.Tensor  # (n_frames, 2): the renderer's mouth (opening, roundness)
+    listening: torch.Tensor  # (n_frames, LISTEN_FEATURES): the corpus heard as a user's voice (engine.listen)
 
     @property
     def n_frames(self) -> int:
@@ -251,7 +253,7 @@ class Tracks:
 
 
 def corpus_tracks(pcm16: np.ndarray, spec: ModelSpec, chunk: int = 4096) -> Tracks:
-    """Audio features and mouth per video frame of the whole corpus (frame 0 starts at sample 0)."""
+    """Audio features, mouth and listening rows per video frame of the whole corpus (frame 0 starts at sample 0)."""
     n = math.floor(pcm16.size * spec.fps / SAMPLE_RATE)
     pcm = torch.from_numpy(pcm16.astype(np.float32) / 32768.0)
 
@@ -260,7 +262,33 @@ def corpus_tracks(pcm16: np.ndarray, spec: ModelSpec, chunk: int = 4096) -> Trac
 
     render_feats = frames(ch.RENDER_MELS)
     feats = render_feats if spec.n_mels == ch.RENDER_MELS else frames(spec.n_mels)
-    return Tracks(feats, ch.mouth_from_features(render_feats))
+    return Tracks(feats, ch.mouth_from_features(render_feats), listening_features(pcm16, spec.fps)[:n])
+
+
+def save_tracks(path: str | Path, tracks: Tracks, spec: ModelSpec, meta: dict) -> None:
+    """A corpus's tracks for `spec`'s frame clock and mel bands, a tenth of the corpus's size: what a GPU machine
+    that cannot take the corpus trains from (`--corpus` takes either)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, features=tracks.features.half().numpy(), mouth=tracks.mouth.numpy(),
+                        listening=tracks.listening.numpy(),
+                        meta=json.dumps({**meta, "fps": spec.fps, "n_mels": spec.n_mels, "tracks": True}))
+
+
+def load_tracks(path: str | Path, spec: ModelSpec) -> tuple[Tracks, dict]:
+    """The tracks of a corpus file (int16 PCM, made here) or a tracks file (save_tracks) for `spec`."""
+    path = Path(path)
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as z:
+            if "features" in z.files:
+                meta = json.loads(str(z["meta"]))
+                if meta.get("fps") != spec.fps or meta.get("n_mels") != spec.n_mels:
+                    raise ValueError(f"{path}: tracks made for {meta.get('fps')} fps and {meta.get('n_mels')} mel bands; "
+                                     f"spec {spec.name} needs {spec.fps} and {spec.n_mels}")
+                tracks = Tracks(torch.from_numpy(z["features"]).float(), torch.from_numpy(z["mouth"]),
+                                torch.from_numpy(z["listening"]))
+                return tracks, meta
+    pcm16, meta = load_corpus(path)
+    return corpus_tracks(pcm16, spec), meta
 
 
 # Small helpers ----------------------------------------------------------------------------------
@@ -352,21 +380,29 @@ class FrameSampler:
         self.idle = torch.stack([ch.idle_motion(n, seed * 7919 + i, 0, spec.fps) for i in range(idle_seeds)]).to(device)
         self.mouth = tracks.mouth.to(device)
         self.features = tracks.features.to(device)
+        self.listening = tracks.listening.to(device)
+        self.silent_mouth = ch.mouth_from_features(silence_features(ch.RENDER_MELS)[None]).to(device)  # (1, 2)
+        self.silent_features = silence_features(spec.n_mels).to(device)
 
     def _randint(self, high: int, size: int) -> torch.Tensor:
         return torch.randint(0, high, (size,), generator=self.g).to(self.device)
 
     def sample(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> frames (B, 4, 3, H, W) in [0, 1], looks (B, LOOK_SIZE), states (B, 4, STATE_SIZE)."""
-        frames, looks, states, _ = self._draw(batch, None)
+        frames, looks, states, _, _, _ = self._draw(batch, None, False)
         return frames, looks, states
 
-    def sample_with_audio(self, batch: int, context: int) -> tuple[torch.Tensor, ...]:
-        """sample's groups with the mouths the corpus gives them, and their audio: -> frames, looks, states and
-        audio (B, 4 + 2 context, n_mels), the features of frames first - context .. first + 3 + context."""
-        return self._draw(batch, context)
+    def sample_with_audio(self, batch: int, context: int, listen: bool = False) -> tuple[torch.Tensor, ...]:
+        """sample's groups with the mouths the corpus gives them, and their audio: -> frames, looks, states,
+        audio (B, 4 + 2 context, n_mels), the features of frames first - context .. first + 3 + context, and with
+        `listen` the user's voice (B, 4, LISTEN_FEATURES) (else None): half the groups hear another stretch of the
+        corpus as the user and show its listening motion, half of those with the character silent; and the
+        frames the encoder gets: the group's mean mouth held over its 4 frames and no listening motion. The
+        DiT's latents hold a group nearly as one picture, made from the character's own speech: the decoder must
+        draw each frame's mouth from its audio and the listening motion from the user's voice."""
+        return self._draw(batch, context, listen)
 
-    def _draw(self, batch: int, context: int | None) -> tuple[torch.Tensor, ...]:
+    def _draw(self, batch: int, context: int | None, listen: bool) -> tuple[torch.Tensor, ...]:
         k = self.spec.frames_per_latent
         n = self.mouth.shape[0] - k
         looks = self.looks[self._randint(self.looks.shape[0], batch)]
@@ -383,15 +419,33 @@ class FrameSampler:
         rand_mouth = torch.rand(batch, 1, 2, generator=self.g).to(self.device) + 0.1 * torch.randn(batch, k, 2, generator=self.g).to(self.device)
         if context is None:
             mouth = torch.where(wild, rand_mouth.clamp(0, 1), mouth)
-        states = torch.cat([idle, mouth], -1)  # (B, 4, STATE)
+        heard = silent = None
+        if listen:
+            heard = self.listening[self._randint(n, batch)[:, None] + span]  # (B, 4, LISTEN_FEATURES)
+            hearing = torch.rand(batch, 1, 1, generator=self.g).to(self.device) < 0.5
+            heard = heard * hearing
+            silent = hearing & (torch.rand(batch, 1, 1, generator=self.g).to(self.device) < 0.5)  # (B, 1, 1)
+            mouth = torch.where(silent, self.silent_mouth, mouth)
+        states = torch.cat([idle, mouth, torch.zeros_like(mouth)], -1)  # (B, 4, STATE): brow and smile at rest
         blink = torch.rand(batch, 1, generator=self.g).to(self.device).expand(batch, k)
         states[..., ch.S["blink"]] = torch.where(wild[..., 0], blink, states[..., ch.S["blink"]])
+        source = None
+        if context is not None:  # what the encoder sees: the group's mean mouth held, no listening motion
+            held = states.clone()
+            mouth_cols = slice(ch.S["open"], ch.S["round"] + 1)
+            held[..., mouth_cols] = states[..., mouth_cols].mean(1, keepdim=True)
+            source = ch.render(looks.repeat_interleave(k, 0), held.flatten(0, 1), self.spec.image_size)
+            source = source.unflatten(0, (batch, k))
+        if heard is not None:
+            states = ch.listen(states, heard)
         frames = ch.render(looks.repeat_interleave(k, 0), states.flatten(0, 1), self.spec.image_size)
         audio = None
         if context is not None:
             rows = first[:, None] - context + torch.arange(k + 2 * context, device=self.device)
             audio = self.features[rows]
-        return frames.unflatten(0, (batch, k)), looks, states, audio
+            if silent is not None:
+                audio = torch.where(silent, self.silent_features, audio)
+        return frames.unflatten(0, (batch, k)), looks, states, audio, heard, source
 
 
 def face_weights(looks: torch.Tensor, states: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -411,15 +465,16 @@ def face_weights(looks: torch.Tensor, states: torch.Tensor, size: tuple[int, int
 
 
 def codec_loss(codec: TrainedCodec, frames: torch.Tensor, weights: torch.Tensor, latent_noise: float,
-               audio: torch.Tensor | None = None, motion_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               audio: torch.Tensor | None = None, motion_weight: float = 0.0, listen: torch.Tensor | None = None,
+               source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted L1 + edge loss of the round trip, latents jittered so the decoder tolerates DiT error. An audio
     decoder reads `audio` (each frame's log-mel rows); with `motion_weight`, the frame-to-frame change inside the
     group against the renderer's, under the same face weights, is added: the motion a group's 4 frames must
     show. A frozen encoder (no parameter needing a gradient) is run without one."""
     with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in codec.encoder.parameters())):
-        z = codec.encode_frames(frames)  # (B, C, h, w)
+        z = codec.encode_frames(frames if source is None else source)  # (B, C, h, w)
     sigma = torch.rand(z.shape[0], 1, 1, 1, device=z.device) * latent_noise
-    out = codec.decode_frames(z + sigma * torch.randn_like(z), audio).float()  # (B, 4, 3, H, W)
+    out = codec.decode_frames(z + sigma * torch.randn_like(z), audio, listen).float()  # (B, 4, 3, H, W)
     err = (out - frames).abs() * weights
     edge = sum(((torch.diff(out, dim=d) - torch.diff(frames, dim=d)).abs()).mean() for d in (-1, -2))
     mse = F.mse_loss(out.detach().clamp(0, 1), frames)
@@ -516,13 +571,16 @@ def codec_psnr(codec: TrainedCodec, frames: torch.Tensor) -> float:
 def audio_decoder_from(base: TrainedCodec, spec: ModelSpec, *, seed: int = 0, **audio: int) -> TrainedCodec:
     """A codec whose decoder reads audio, built on `base`: its encoder and decoder weights copied, the new audio
     layers zero at their outputs, so it decodes exactly as `base` until trained. A base that already reads audio
-    is copied as it is (training continues from it)."""
-    if base.cfg.audio_mels:
-        return copy.deepcopy(base)
+    is copied as it is (training continues from it) when it has the asked-for listening stream."""
     cfg = codec_config(spec, audio=True, **audio)
+    if base.cfg.audio_mels:
+        if base.cfg.listen_features != cfg.listen_features:
+            raise ValueError(f"codec {base.cfg.name} reads audio with listen_features={base.cfg.listen_features}; to "
+                             f"train one with {cfg.listen_features}, start from the audio-free codec")
+        return copy.deepcopy(base)
     codec = build_codec(spec, seed=seed, cfg=cfg)
     missing, unexpected = codec.load_state_dict(base.state_dict(), strict=False)
-    if unexpected or any(not k.startswith(("decoder.audio.", "decoder.film.")) for k in missing):
+    if unexpected or any(not k.startswith(("decoder.audio.", "decoder.film.", "decoder.frame_", "decoder.listen.")) for k in missing):
         raise ValueError(f"codec {base.cfg.name} does not fit the audio decoder: missing {missing}, unexpected {unexpected}")
     return codec.to(next(base.parameters()).device)
 
@@ -531,23 +589,26 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
                         work: Path, batch: int = 32, lr: float = 1e-4, new_lr: float = 1e-3, seed: int = 0,
                         save_every: float = 120.0, resume: bool = False, latent_noise: float = 0.15,
                         motion_weight: float = 1.0, audio_context: int | None = None, audio_embed: int | None = None,
-                        max_steps: int | None = None, deadline: float | None = None) -> TrainedCodec:
+                        listen: bool = True, max_steps: int | None = None, deadline: float | None = None) -> TrainedCodec:
     """Fine-tune an audio-conditioned decoder from the codec at `init` with its encoder frozen, so the latents, and
     the DiT trained on them, stay valid; save the EMA weights to `out` (with its .sha256). The learning rate
     follows the wall-clock budget, or the steps when `max_steps` is given (then a run is reproducible from its
-    seed); the new audio layers learn at `new_lr`. Raises Paused at the deadline."""
+    seed); the new audio layers learn at `new_lr`. With `listen` the decoder also reads the user's voice
+    (engine.listen) and learns the listening motion from frames that show it. Raises Paused at the deadline."""
     state_path = work / f"{spec.name}-codec-audio-state.pt"
     torch.manual_seed(seed)
     base = load_codec(spec, init).to(device)
     audio = {k: v for k, v in (("audio_context", audio_context), ("audio_embed", audio_embed)) if v is not None}
+    audio["listen_features"] = LISTEN_FEATURES if listen else 0
     codec = audio_decoder_from(base, spec, seed=seed, **audio).to(device)
     del base
     if device.type == "cuda":
         codec = codec.to(memory_format=torch.channels_last)
     codec.encoder.requires_grad_(False).eval()  # eval: its BatchNorm keeps the statistics the latents were made with
     codec.decoder.train()
-    new = [p for name, p in codec.decoder.named_parameters() if name.startswith(("audio.", "film."))]
-    old = [p for name, p in codec.decoder.named_parameters() if not name.startswith(("audio.", "film."))]
+    added = ("audio.", "film.", "frame_", "listen.")
+    new = [p for name, p in codec.decoder.named_parameters() if name.startswith(added)]
+    old = [p for name, p in codec.decoder.named_parameters() if not name.startswith(added)]
     opt = torch.optim.AdamW([{"params": old, "base": lr}, {"params": new, "base": new_lr}], lr=lr, betas=(0.9, 0.99),
                             weight_decay=1e-4)
     ema = EMA(codec, 0.998)
@@ -561,7 +622,7 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
     clock, last_save = Clock(minutes, elapsed, deadline), time.perf_counter()
     log(phase="codec-audio", event="start", init=str(init), audio_params=sum(p.numel() for p in new),
         decoder_params=sum(p.numel() for p in codec.decoder.parameters()), audio_mels=codec.cfg.audio_mels,
-        audio_context=context, batch=batch, device=str(device))
+        audio_context=context, listen_features=codec.cfg.listen_features, batch=batch, device=str(device))
 
     def save(done: bool) -> None:
         _save_state(state_path, model=codec.state_dict(), ema=ema.module.state_dict(), opt=opt.state_dict(),
@@ -578,12 +639,12 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
             log(phase="codec-audio", event="paused", step=step, elapsed=clock.elapsed, state=str(state_path))
             raise Paused("codec-audio")
         with torch.no_grad():
-            frames, looks, states, rows = sampler.sample_with_audio(batch, context)
+            frames, looks, states, rows, heard, source = sampler.sample_with_audio(batch, context, bool(codec.cfg.listen_features))
             weights = face_weights(looks, states, spec.image_size)
         for group in opt.param_groups:
             group["lr"] = lr_at(group["base"], step, frac(), warmup)
         with autocast(device):
-            loss, mse = codec_loss(codec, frames, weights, latent_noise, rows, motion_weight)
+            loss, mse = codec_loss(codec, frames, weights, latent_noise, rows, motion_weight, heard, source)
         codec_update("codec-audio", codec, opt, ema, old + new, loss, mse, step, clock)
         step += 1
         if time.perf_counter() - last_save > save_every:
@@ -743,7 +804,7 @@ def build_bank(codec: TrainedCodec, spec: ModelSpec, tracks: Tracks, *, variants
     for i in range(variants):
         name, look = variant_look(i, seed, random_share)
         start = int(rng.integers(0, tracks.n_frames - n + 1))
-        states = torch.cat([ch.idle_motion(n, seed * 1_000 + i, 0, spec.fps), tracks.mouth[start:start + n]], 1).to(device)
+        states = ch.frame_states(tracks.mouth[start:start + n], seed * 1_000 + i, 0, spec.fps).to(device)
         lv = ch.look_vectors(look).to(device)
         out = []
         for g in range(0, n, chunk * k):
@@ -987,6 +1048,10 @@ def main(argv: list[str] | None = None) -> int:
     _common(a)
     _codec_args(a, 6.0)
     _dit_args(a, 14.0)
+    tr = sub.add_parser("tracks", help="the corpus's per-frame tracks for a spec, ~10x smaller than the corpus; "
+                                       "--corpus of the other commands takes them")
+    _common(tr)
+    tr.add_argument("--out", required=True)
     au = sub.add_parser("codec-audio", help="fine-tune an audio-conditioned decoder from a trained codec, encoder frozen "
                                             "(the DiT stays valid) -> --out")
     _common(au)
@@ -1000,6 +1065,7 @@ def main(argv: list[str] | None = None) -> int:
     au.add_argument("--motion-weight", type=float, default=1.0, help="weight of the in-group frame-to-frame change term")
     au.add_argument("--audio-context", type=int, default=None, help="audio frames either side of each frame (default 1)")
     au.add_argument("--audio-embed", type=int, default=None, help="width of one frame's audio embedding (default 32)")
+    au.add_argument("--no-listen", action="store_true", help="no listening stream (the user's voice) in the decoder")
     args = p.parse_args(argv)
     try:
         if args.cmd == "corpus":
@@ -1014,9 +1080,12 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.perf_counter() + args.session_minutes * 60 if args.session_minutes else None
         spec = get_spec(args.spec)
         device = pick_device(args.device)
-        pcm16, meta = load_corpus(args.corpus)
         t0 = time.perf_counter()
-        tracks = corpus_tracks(pcm16, spec)
+        tracks, meta = load_tracks(args.corpus, spec)
+        if args.cmd == "tracks":
+            save_tracks(args.out, tracks, spec, meta)
+            log(phase="tracks", out=args.out, mb=round(Path(args.out).stat().st_size / 1e6, 2), frames=tracks.n_frames)
+            return 0
         log(phase="data", corpus=args.corpus, minutes=round(meta["seconds"] / 60, 2), frames=tracks.n_frames,
             seconds=time.perf_counter() - t0)
         assets, work = Path(args.assets), Path(args.work)
@@ -1026,7 +1095,8 @@ def main(argv: list[str] | None = None) -> int:
                                 minutes=args.minutes, out=Path(args.out) if args.out else codec_path(spec, assets),
                                 batch=args.batch, lr=args.lr, new_lr=args.new_lr, latent_noise=args.latent_noise,
                                 motion_weight=args.motion_weight, audio_context=args.audio_context,
-                                audio_embed=args.audio_embed, device=device, work=work, seed=args.seed,
+                                audio_embed=args.audio_embed, listen=not args.no_listen, device=device, work=work,
+                                seed=args.seed,
                                 save_every=args.save_every, resume=args.resume, max_steps=args.max_steps,
                                 deadline=deadline)
             return 0
