@@ -4,6 +4,7 @@ that takes frames from the engine's playout buffer to the browser and the record
 The voice loop's reply audio goes to the character (`EngineSink`); picture and sound then
 leave the playout buffer together, one frame every 1/24 s. The pump stamps each turn's
 first speaking frame when it is released; the browser reports when that speech played.
+The user's microphone audio goes to the voice loop and to the character, which listens.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from app.recorder import SessionRecorder
+from engine.audio import to_mono_16k
 from engine.realtime import AVFrame, RealtimeCharacter
 from voice.loop import LoopEvent, VoiceLoop, VoiceLoopConfig
 from voice.personas import persona_for
@@ -134,17 +136,20 @@ class LiveSession:
 
     # Audio in -----------------------------------------------------------------------------------
     def feed_mic(self, pcm: np.ndarray, sample_rate: int) -> None:
-        """To the voice loop. The browser streams on to a session being stopped (a preset switch, a restart) until
-        it reconnects: from then on its chunks are dropped. A malformed chunk is a ValueError, as from the loop."""
-        if self.voice is None or self.failure is not None or self.stopping.is_set():
+        """To the voice loop, and (as 16 kHz mono) to the character, which listens. The browser streams on to a
+        session being stopped (a preset switch, a restart) until it reconnects: from then on its chunks are
+        dropped. A malformed chunk is a ValueError, as from the loop."""
+        if self.failure is not None or self.stopping.is_set():
             return
-        try:
-            self.voice.feed(pcm, sample_rate)
-        except RuntimeError:  # "VoiceLoop is closed": stop() closed it after the check above
-            if not self.stopping.is_set():
-                raise
-            return
-        self.mic_peak = max(self.mic_peak, float(np.max(np.abs(pcm))))  # the loop took it: not empty, finite
+        if self.voice is not None:
+            try:
+                self.voice.feed(pcm, sample_rate)
+            except RuntimeError:  # "VoiceLoop is closed": stop() closed it after the check above
+                if not self.stopping.is_set():
+                    raise
+                return
+            self.mic_peak = max(self.mic_peak, float(np.max(np.abs(pcm))))  # the loop took it: not empty, finite
+        self.character.listen(to_mono_16k(pcm, sample_rate))
 
     def mark_turn(self, turn_id: int, name: str, t: float) -> None:
         """A stamp from outside the server (the browser's delivery report), on this session's clock."""

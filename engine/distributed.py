@@ -4,12 +4,13 @@ Diffusion ranks form a tensor-parallel group (engine/parallel.py shards each blo
 a block ends in one all-reduce). Every rank runs the same `EngineSession` on its
 shard with the same seed, so all ranks hold the same latent after each step; rank 0
 hands it to a decoder process (round-robin when several), with the step's audio window
-(an audio-conditioned codec reads its frames' rows of it), and the decoder decodes step t
+(an audio-conditioned codec reads its frames' rows of it) and the rows of the user's voice
+(a listening codec reads them), and the decoder decodes step t
 while the ranks denoise step t+1. Frames come back in order.
 
     engine = DistributedEngine(spec, Placement.plan("0,1,2,3", "3", ...), EngineOptions(...))
     engine.start(reference_latent)
-    engine.submit_step(features, start_frame)   # non-blocking
+    engine.submit_step(features, start_frame, listen)   # non-blocking; listen: (4, 3) rows or None
     index, frames = engine.next_frames()        # (4, H, W, 3) uint8, in step order
     engine.close()
 
@@ -261,6 +262,14 @@ def _decoder_window(session, features: torch.Tensor | None, start_frame: int | N
     return session._audio_window().float()
 
 
+def _decoder_item(index: int, latent: torch.Tensor, window: torch.Tensor, listen: torch.Tensor | None,
+                  step_ms: float) -> tuple:
+    """What rank 0 puts on a decoder's queue for one step: its index, latent, audio window (on the CPU), the rows
+    of the user's voice (on the CPU; None: silence) and the step's diffusion time. `_decoder_worker` unpacks it."""
+    window = window.cpu() if window.device.type != "cpu" else window.clone()
+    return index, latent, window, None if listen is None else listen.detach().float().cpu(), step_ms
+
+
 def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, commands, latents: list, outbox) -> None:
     try:
         from engine.weights import load_engine
@@ -301,7 +310,7 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
             if cmd == "start":
                 session.start(args[0])
             elif cmd == "step":
-                features, start_frame, index = args
+                features, start_frame, index, listen = args
                 if features is not None:
                     session.push_audio_features(features, start_frame)
                 window = _decoder_window(session, features, start_frame) if rank == 0 else None
@@ -316,8 +325,8 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
                 else:
                     latent = latent.float().clone()
                 if rank == 0:  # straight to its decoder, which decodes it while the ranks make the next step
-                    window = window.cpu() if window.device.type != "cpu" else window.clone()
-                    latents[index % len(latents)].put((index, latent, window, 1000 * (time.perf_counter() - t0)))
+                    item = _decoder_item(index, latent, window, listen, 1000 * (time.perf_counter() - t0))
+                    latents[index % len(latents)].put(item)
     except BaseException:
         outbox.put(("error", f"diffusion rank {rank}", traceback.format_exc()))
     finally:
@@ -341,9 +350,9 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
                 outbox.put(("done", slot, decoded))
                 break
             decoded += 1
-            index, latent, window, step_ms = item
+            index, latent, window, listen, step_ms = item
             t0 = time.perf_counter()
-            frames = decode_step(codec, latent.to(device), window, job.spec).cpu()
+            frames = decode_step(codec, latent.to(device), window, job.spec, listen).cpu()
             del latent  # release the producer's buffer mapping
             outbox.put(("frames", index, {"frames": frames, "step_ms": step_ms, "decode_ms": 1000 * (time.perf_counter() - t0)}))
     except BaseException:
@@ -434,10 +443,13 @@ class DistributedEngine:
     def start(self, reference_latent: torch.Tensor) -> None:
         self._send("start", reference_latent.detach().float().cpu())
 
-    def submit_step(self, features: torch.Tensor | None = None, start_frame: int | None = None) -> int:
-        """Queue one step on every rank (its latent then goes to a decoder); returns its index."""
+    def submit_step(self, features: torch.Tensor | None = None, start_frame: int | None = None,
+                    listen: torch.Tensor | None = None) -> int:
+        """Queue one step on every rank (its latent then goes to a decoder, with `listen`, the step's rows
+        (4, LISTEN_FEATURES) of the user's voice; None: silence); returns its index."""
         index = self.submitted
-        self._send("step", None if features is None else features.detach().float().cpu(), start_frame, index)
+        heard = None if listen is None else listen.detach().float().cpu()
+        self._send("step", None if features is None else features.detach().float().cpu(), start_frame, index, heard)
         self.submitted += 1
         return index
 

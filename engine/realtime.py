@@ -5,6 +5,7 @@ In the spirit of LiveKit's avatar VideoGenerator:
     character = RealtimeCharacter(session, codec)
     character.start()
     character.push_audio(pcm, sample_rate)   # speech to say; placed at the next frame not yet made
+    character.listen(mic_pcm_16k)            # the user's voice as it arrives: the character listens
     character.clear()                        # barge-in: drop speech not yet played
     for frame in character.frames():         # AVFrame: RGB, its 1/24 s of audio, speaking flag
         ...
@@ -35,6 +36,7 @@ import torch
 
 from engine.audio import SAMPLE_RATE, frame_of_sample, frame_sample, to_mono_16k
 from engine.codec import Codec, decode_step
+from engine.listen import ListeningTrack
 from engine.mel import log_mel_frames
 from engine.playout import PlayoutBuffer
 from engine.session import EngineSession
@@ -116,7 +118,8 @@ class AudioTimeline:
 
 class LocalSteps:
     """Steps made in this process: the session denoises (on the window it is handed), the codec decodes,
-    one after the other; an audio-conditioned codec gets its rows of the same window (`decode_step`)."""
+    one after the other; an audio-conditioned codec gets its rows of the same window (`decode_step`), and a
+    listening codec the step's rows of the user's voice."""
 
     def __init__(self, session: EngineSession, codec: Codec):
         self.session, self.codec, self.spec = session, codec, session.spec
@@ -139,11 +142,14 @@ class LocalSteps:
     def reset_every(self) -> int:
         return self.session.reset_every
 
-    def submit(self, features: torch.Tensor, window_start: int) -> None:
+    def submit(self, features: torch.Tensor, window_start: int, listen: torch.Tensor | None = None) -> None:
+        """Make one step on `features` (its audio window) and decode it with `listen` (4, LISTEN_FEATURES) rows
+        of the user's voice (None: silence)."""
         if window_start != self.session.next_frame - self.spec.audio_context:
             raise ValueError(f"features for frames {window_start} on do not start the window of the session's next step "
                              f"(frame {self.session.next_frame - self.spec.audio_context})")
-        self._done.append(decode_step(self.codec, self.session.step(features), features, self.spec).cpu().numpy())
+        latent = self.session.step(features)
+        self._done.append(decode_step(self.codec, latent, features, self.spec, listen).cpu().numpy())
 
     def collect(self) -> np.ndarray:
         return self._done.popleft()
@@ -173,8 +179,8 @@ class RemoteSteps:
     def reset_every(self) -> int:
         return self.engine.reset_every
 
-    def submit(self, features: torch.Tensor, window_start: int) -> None:
-        self.engine.submit_step(features, window_start)
+    def submit(self, features: torch.Tensor, window_start: int, listen: torch.Tensor | None = None) -> None:
+        self.engine.submit_step(features, window_start, listen)
 
     def collect(self) -> np.ndarray:
         return self.engine.next_frames()[1].numpy()
@@ -183,7 +189,8 @@ class RemoteSteps:
 class RealtimeCharacter:
     """`lookahead` steps are submitted before their frames are collected: with a remote engine,
     step t+1 is denoised while step t is decoded. Speech pushed after a step was submitted
-    starts at the next step; barge-in also silences submitted steps not yet played."""
+    starts at the next step; barge-in also silences submitted steps not yet played. The user's voice
+    (`listen`) reaches each step's decode as the rows of the frames heard last when it is submitted."""
 
     # With adaptive_lead, the playout lead follows the slowest of the last LEAD_WINDOW steps (8 s of video) or
     # of one reset period and a few steps, whichever is longer, so a position reset is always among them, once
@@ -213,6 +220,7 @@ class RealtimeCharacter:
         self._pending: deque[tuple[int, list[np.ndarray], int]] = deque()  # submitted steps: first frame, audio, step
         self.playout = playout or PlayoutBuffer(fps=self.spec.fps)
         self.timeline = AudioTimeline(self.spec.fps)
+        self.listening = ListeningTrack(self.spec.fps)  # the user's voice, pushed by listen() from the app's thread
         self.step_seconds: deque[float] = deque(maxlen=1024)
         # Hooks for soak runs and fault injection: before_step(step) runs in the engine thread before a step is
         # submitted (its time counts as the step's); on_step(step, seconds) when that step's frames are in.
@@ -277,6 +285,12 @@ class RealtimeCharacter:
             next_frame, due = self._next_release()
             return due + (frame - next_frame) / self.spec.fps + (start - frame_sample(frame, self.spec.fps)) / SAMPLE_RATE
 
+    def listen(self, pcm: np.ndarray) -> None:
+        """The user's microphone audio as it arrives (16 kHz mono, float or int16, any chunk size): each step
+        submitted after it decodes with the listening rows of the newest frames heard (a listening codec draws
+        them; others ignore them). Thread-safe; the character's own speech does not belong here."""
+        self.listening.push(pcm)
+
     @property
     def next_frame(self) -> int:
         """The first frame not yet submitted to the engine: where speech pushed now can start."""
@@ -327,7 +341,8 @@ class RealtimeCharacter:
             self.timeline.drop_before(min(first + spec.frames_per_latent - spec.audio_context - 1, self._put_until))
         if self.before_step is not None:
             self.before_step(step)
-        self.steps.submit(features, window_start - self._skipped)
+        heard = self.listening.latest(spec.frames_per_latent)  # the voice heard just before these frames are made
+        self.steps.submit(features, window_start - self._skipped, heard)
         if len(self._pending) <= self.lookahead:
             return [], self._clears
         rgb = self.steps.collect()

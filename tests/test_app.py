@@ -371,6 +371,12 @@ def test_microphone_audio_for_a_session_being_replaced_is_dropped_not_fatal():
     from voice.loop import VoiceLoopConfig
 
     class Character:
+        def __init__(self):
+            self.heard = []
+
+        def listen(self, pcm):
+            self.heard.append(pcm)
+
         def stop(self, session_log=None):
             return {}
 
@@ -394,6 +400,7 @@ def test_microphone_audio_for_a_session_being_replaced_is_dropped_not_fatal():
     with pytest.raises(ValueError):  # while the session runs, the loop's refusals still reach the caller
         live.feed_mic(np.full(320, np.nan, np.float32), 16000)
     assert live.mic_peak == 0.5  # the loudest sample the loop took (lab.app_bench reports it); the refused chunk is not one
+    assert len(live.character.heard) == 1  # the character listened to the chunk the loop took
     live.stop(None)
     microphone = Microphone(frames=5)
     asyncio.run(asyncio.wait_for(Peer._read_mic(SimpleNamespace(live=live), microphone), 10))
