@@ -6,6 +6,7 @@
     python -m lab.quality compare --a reference --b fp8-cache --clips 8 --json                # a numerics change
     python -m lab.quality drift --spec demo --minutes 10 --json                                 # first vs last minute
     python -m lab.quality idle --spec demo-cpu --seconds 60 --json                              # silence: motion, blinks
+    python -m lab.quality listen --spec demo-cpu --audio data/eval.wav --sheet docs/listen.png --json  # the user speaks
 
 The mouth opening of each frame is read from the pixels: the character's geometry is
 known (engine.character), so a box that holds the mouth at every head position is
@@ -23,6 +24,10 @@ the same frames against audio shuffled in one-second blocks.
 `motion` (part of the lipsync report) is the mouth's frame-to-frame change inside a latent
 frame's group of 4 and across groups, against the renderer's own per-frame change on the
 same audio: whether the lips move at 24 Hz or at the latent rate of 6.
+
+`listen` runs the engine silent twice on the same noise, once hearing the user's voice: how much
+each frame changes with it, correlated with the user's loudness, against the voice shuffled in
+one-second blocks, and the renderer's own listening motion as the ceiling.
 
 `idle` runs the engine on silence: how much the picture and the eyes move each second, the
 blinks (the eyes' white covered by the lids, in boxes the renderer's geometry gives as it
@@ -52,6 +57,7 @@ from engine.audio import SAMPLE_RATE, frame_sample, load_wav_16k
 from engine.audio import read_audio as read_audio_file
 from engine.build import build_engine
 from engine.cache import KV_DTYPES
+from engine.listen import listening_features
 from engine.options import (
     CONFIG_PRESETS,
     EngineOptions,
@@ -311,34 +317,42 @@ def picture_stats(frames: torch.Tensor) -> dict:
 
 # Running the engine -------------------------------------------------------------------------
 def engine_frames(spec, pcm: np.ndarray, preset: str, *, weights: str | None = None, device: str = "cpu",
-                  cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0):
+                  cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0, user: np.ndarray | None = None):
     """Generate frames for `pcm` with the shipped engine; yields (first_frame, rgb (4, H, W, 3) uint8) per step.
+    With `user`, the character hears the user's voice too (stream_frames).
 
     Returns (generator, trained) so callers can stream long sessions without keeping frames.
     """
     options = EngineOptions(name="lipsync", weights=weights, seed=seed, device=device, cache=cache, kv_dtype=kv_dtype)
     built = build_engine(options, spec, look=preset)
-    return stream_frames(built.character, spec, pcm, built.close), built.trained
+    return stream_frames(built.character, spec, pcm, built.close, user), built.trained
 
 
 AUDIO_CHUNK = 2 * SAMPLE_RATE  # samples pushed at a time
 
 
 def stream_frames(character: RealtimeCharacter, spec, pcm: np.ndarray,
-                  close: Callable[[], None] | None = None) -> Iterator[tuple[int, np.ndarray]]:
+                  close: Callable[[], None] | None = None, user: np.ndarray | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """Generator of (first_frame, rgb (4, H, W, 3) uint8) per step for `pcm`, calling `close` at the end.
 
     The audio goes in a chunk at a time, a second or more ahead of the next frame: the timeline
     stays short, so a step's feature computation does not scan the rest of a long session.
+    `user`, the user's voice on the same clock, is heard up to the end of each step's frames before it
+    is made (`RealtimeCharacter.listen`).
     """
     steps = math.ceil(math.ceil(pcm.size * spec.fps / SAMPLE_RATE) / spec.frames_per_latent)
     try:
-        made, pushed = 0, 0
+        made, pushed, heard = 0, 0, 0
         while made < steps:
             ahead = frame_sample(character.steps.next_frame + spec.fps, spec.fps)
             while pushed < min(ahead, pcm.size):
                 character.push_audio(pcm[pushed:pushed + AUDIO_CHUNK], SAMPLE_RATE)
                 pushed += AUDIO_CHUNK
+            if user is not None:
+                end = frame_sample(character.steps.next_frame + spec.frames_per_latent, spec.fps)
+                chunk = user[heard:end]
+                character.listen(np.concatenate([chunk, np.zeros(max(0, end - heard - chunk.size), np.float32)]))
+                heard = end
             batch = character.make_step()
             if batch:  # empty only while a look-ahead step is in flight
                 made += 1
@@ -374,6 +388,85 @@ def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str |
         "generated_picture": picture_stats(generated), "rendered_picture": picture_stats(rendered),
         "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": device,
     }
+
+
+LISTEN_SMOOTH_S = 0.5  # the user's loudness is averaged over this much before it is compared with the motion
+
+
+def listening_signal(pcm: np.ndarray, n_frames: int, fps: int = 24) -> torch.Tensor:
+    """The user's voice as one number per frame: its loudness (dBFS, audio_envelope) averaged over the last
+    LISTEN_SMOOTH_S (a listener's motion follows speech over phrases, not over single frames)."""
+    env = audio_envelope(pcm, n_frames, fps)
+    k = max(1, round(LISTEN_SMOOTH_S * fps))
+    padded = torch.cat([env[:1].expand(k - 1), env])
+    return padded.unfold(0, k, 1).mean(1)
+
+
+def listening_scores(change: torch.Tensor, signal: torch.Tensor, fps: int = 24, repeats: int = 8, seed: int = 0) -> dict:
+    """How the picture's change from the unheard session follows the user's voice: Pearson correlation at offset
+    0, against the same voice cut into 1 s blocks and shuffled `repeats` times (chance). The sign depends on the
+    mix of motions (brows rise with the voice, a nod comes as it stops), so the test is of its size: |corr| above
+    every shuffled |corr|."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = list(torch.split(signal, fps))
+    shuffled = [abs(_corr(change, torch.cat([blocks[i] for i in torch.randperm(len(blocks), generator=g)])))
+                for _ in range(repeats)]
+    corr = _corr(change, signal)
+    return {"corr": corr, "shuffled_abs_mean": float(np.mean(shuffled)), "shuffled_abs_max": float(np.max(shuffled)),
+            "above_shuffled": abs(corr) > max(shuffled), "mean_change": float(change.mean())}
+
+
+def listen_report(spec, user: np.ndarray, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
+                  cache: str = "ring", kv_dtype: str = "fp8", seed: int = 0, sheet: str | Path | None = None,
+                  every: int = 12, columns: int = 8) -> dict:
+    """The character silent while the user speaks `user`: the engine run twice on the same noise, hearing the
+    user and not, and each frame's mean absolute difference between the two (0..1) against the user's voice
+    (listening_signal); the renderer's own listening motion (engine.character.listen) is the ceiling. With
+    `sheet`, a PNG: the unheard row, the heard row and the renderer's, every `every`-th frame."""
+    n = math.ceil(user.size * spec.fps / SAMPLE_RATE)
+    if n < 4 * spec.fps:
+        raise ValueError(f"the user's audio is {n / spec.fps:.1f} s: the report needs at least 4 s")
+    silence = np.zeros(frame_sample(n, spec.fps), np.float32)
+    user = np.concatenate([user.astype(np.float32), silence])[:silence.size]
+    runs = {}
+    for name, heard in (("unheard", None), ("heard", user)):
+        gen, trained = engine_frames(spec, silence, preset, weights=weights, device=device, cache=cache,
+                                     kv_dtype=kv_dtype, seed=seed, user=heard)
+        runs[name] = torch.from_numpy(np.concatenate([rgb for _, rgb in gen])[:n])
+    states = ch.frame_states(ch.mouth_from_audio(silence, n, spec.fps), seed, 0, spec.fps)
+    listening = listening_features(user, spec.fps)[:n]
+    rendered = {"unheard": ch.render_states(preset, states, spec.image_size),
+                "heard": ch.render_states(preset, ch.listen(states, listening), spec.image_size)}
+    signal = listening_signal(user, n, spec.fps)
+
+    def change(frames: dict) -> torch.Tensor:
+        return (frames["heard"].float() - frames["unheard"].float()).abs().mean(dim=(1, 2, 3)) / 255.0
+
+    report = {"spec": spec.name, "preset": preset, "frames": n, "seconds": n / spec.fps, "trained_weights": trained,
+              "generated": listening_scores(change(runs), signal, spec.fps, seed=seed),
+              "rendered": listening_scores(change(rendered), signal, spec.fps, seed=seed), "device": device}
+    if sheet is not None:
+        rows = [runs["unheard"].numpy(), runs["heard"].numpy(), rendered["heard"].numpy()]
+        write_png(sheet, contact_sheet(rows, every, columns))
+        report["sheet"] = {"out": str(sheet), "rows": "generated unheard, generated hearing the user, renderer hearing",
+                           "frames_every": every}
+    return report
+
+
+def clip_reports(spec, pcm: np.ndarray, clips: int, preset: str, min_seconds: float, **kwargs) -> dict:
+    """The audio cut into `clips` equal clips, each run and scored on its own (a fresh session): each clip's
+    score, share of the ceiling, best offset and motion, and on how many the best offset is 0."""
+    size = pcm.size // clips
+    if size < min_seconds * SAMPLE_RATE:
+        raise ValueError(f"{clips} clips of {size / SAMPLE_RATE:.2f} s: each needs at least {min_seconds:.1f} s")
+    out = []
+    for i in range(clips):
+        r = lipsync_report(spec, pcm[i * size:(i + 1) * size], preset, **kwargs)
+        out.append({"seconds": r["seconds"], "score": r["generated"]["score"], "ratio_to_ceiling": r["ratio_to_ceiling"],
+                    "best_offset": r["generated"]["best_offset"], "ceiling_best_offset": r["ceiling"]["best_offset"],
+                    "within_to_across": r["motion"]["within_to_across"],
+                    "within_to_renderer": r["motion"]["within_to_renderer"]})
+    return {"clips": out, "best_offset_zero": sum(c["best_offset"] == 0 for c in out), "of": clips}
 
 
 def idle_report(spec, seconds: float, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
@@ -700,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--max-offset", type=int, default=MAX_OFFSET, help="frames searched either side")
     ls.add_argument("--minutes", type=float, default=None, help="long session: loop the audio this long, report per minute")
     ls.add_argument("--max-seconds", type=float, default=120.0, help="refuse longer audio")
+    ls.add_argument("--clips", type=int, default=1, help="also score the audio cut into this many clips, each on its own")
     ls.add_argument("--json", action="store_true", help="print one JSON object")
     sh = sub.add_parser("sheet", help="contact sheet PNG of generated frames (and the renderer's) per preset")
     sh.add_argument("--spec", default="demo", choices=sorted(SPECS))
@@ -744,7 +838,28 @@ def main(argv: list[str] | None = None) -> int:
     idl.add_argument("--still-threshold", type=float, default=STILL_THRESHOLD,
                      help="mean |difference| (0..1) from a still stretch's first frame that ends the stretch")
     idl.add_argument("--json", action="store_true", help="print one JSON object")
+    lst = sub.add_parser("listen", help="the character silent while the user speaks: its change from the unheard "
+                                        "session against the user's voice, and against the voice shuffled")
+    lst.add_argument("--spec", default="demo", choices=sorted(SPECS))
+    lst.add_argument("--audio", required=True, help="the user's voice: any audio file FFmpeg reads")
+    lst.add_argument("--max-seconds", type=float, default=120.0, help="refuse longer audio")
+    engine_arguments(lst)
+    lst.add_argument("--sheet", default=None, help="also write a contact sheet PNG here")
+    lst.add_argument("--every", type=int, default=12, help="the sheet takes every n-th frame")
+    lst.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.cmd == "listen":
+        try:
+            ch.get_look(args.preset)
+            user = read_audio(args.audio, max_seconds=args.max_seconds)
+            report = listen_report(get_spec(args.spec), user, args.preset, weights=args.weights,
+                                   device=str(pick_device(args.device)), cache=args.cache, kv_dtype=args.kv_dtype,
+                                   seed=args.seed, sheet=args.sheet, every=args.every)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+        return 0
     if args.cmd == "idle":
         try:
             ch.get_look(args.preset)
@@ -802,6 +917,8 @@ def main(argv: list[str] | None = None) -> int:
             report["drift"] = drift_verdict(report)
         else:
             report = lipsync_report(spec, pcm, args.preset, **kwargs)
+            if args.clips > 1:
+                report["clips"] = clip_reports(spec, pcm, args.clips, args.preset, min_seconds, **kwargs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
