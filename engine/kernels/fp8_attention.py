@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import to_fp8
-from engine.kernels.policy import FP_FUSION, interpreting
+from engine.kernels.launch import FP_FUSION, interpreting
 
 LOG2E = 1.4426950408889634
 EXP2_UNITS = ("mufu", "fma", "mixed")

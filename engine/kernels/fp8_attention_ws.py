@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from engine.kernels.fp8_attention import EXP2_UNITS, _exp2_fma, check_out
-from engine.kernels.policy import FP_FUSION, WS_HEAD_DIMS
+from engine.kernels.launch import FP_FUSION, WS_HEAD_DIMS
 
 WS_EXP2_UNITS = EXP2_UNITS + ("e4m3_bits",)
 

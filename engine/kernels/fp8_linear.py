@@ -22,7 +22,7 @@ from engine import fp8
 from engine.kernels.common import to_fp8, wait_for_previous_kernel
 from engine.kernels.fp8_gemm import FP8GEMM, interleave_gate_up
 from engine.kernels.fused_block import swiglu_quant
-from engine.kernels.policy import FP_FUSION, hopper_feature, interpreting, pdl_launch
+from engine.kernels.launch import FP_FUSION, hopper_feature, interpreting, pdl_launch
 
 log = logging.getLogger("talkloop.kernels")
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from engine import fp8
 from engine.kernels.common import to_fp8, wait_for_previous_kernel
-from engine.kernels.policy import FP_FUSION, interpreting, pdl_launch
+from engine.kernels.launch import FP_FUSION, interpreting, pdl_launch
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.policy import FP_FUSION
+from engine.kernels.launch import FP_FUSION
 
 READY, DONE = tl.constexpr(0), tl.constexpr(1)  # flag planes
 BLOCK_DEFAULTS = dict(block_m=128, block_n=128)  # output tile; every rank must use the same

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import round_to, to_fp8, wait_for_previous_kernel
-from engine.kernels.policy import FP_FUSION, interpreting, pdl_launch
+from engine.kernels.launch import FP_FUSION, interpreting, pdl_launch
 
 
 @triton.jit

@@ -197,7 +197,8 @@ def test_the_probe_builds_the_kernel_and_falls_back_where_this_triton_cannot(mon
     Triton versions turns it off with one log line (the Triton kernel serves) instead of failing at the first call."""
     import logging
 
-    from engine.kernels.policy import _build_ws_attention, hopper_feature
+    from engine.kernels.launch import hopper_feature
+    from engine.kernels.policy import _build_ws_attention
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "a Hopper GPU")

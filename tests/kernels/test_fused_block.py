@@ -261,7 +261,7 @@ _HOPPER_BUILD = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.kernels.policy import FP_FUSION
+from engine.kernels.launch import FP_FUSION
 from engine.kernels.fused_block import _gated_sum_kernel, _gated_sum_ln_quant_kernel, _ln_mod_quant_kernel
 
 hopper = GPUTarget("cuda", 90, 32)

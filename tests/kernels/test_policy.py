@@ -1,4 +1,4 @@
-"""engine/kernels/policy.py: the attention kernel's options, programmatic dependent launch, and FMA fusion at
+"""engine/kernels/launch.py and policy.py: the attention kernel's options, programmatic dependent launch, and FMA fusion at
 every launch."""
 
 import os
@@ -51,7 +51,7 @@ _FUSION_BUILD = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.kernels.policy import FP_FUSION
+from engine.kernels.launch import FP_FUSION
 from engine.kernels.fused_block import _gated_sum_kernel
 
 sig = {n: "*bf16" for n in ("a", "m", "ga", "gm", "x", "y")}

@@ -142,7 +142,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.kernels.policy import FP_FUSION
+from engine.kernels.launch import FP_FUSION
 from engine.kernels.rope_write import _write_frame_kernel
 
 hopper = GPUTarget("cuda", 90, 32)
