@@ -123,6 +123,16 @@ app_e2e = lambda r: (f"{s(r['target']['median_s'])} (p95 {s(r['target']['p95_s']
                         f"browser {r['voice_at_the_browser']['concealed_share']:.1%}" if "video_fps" in r["engine"] else ""))
 lipsync = lambda r: (f"{r['generated']['score']:.3f} (ceiling {r['ceiling']['score']:.3f}, floor {r['floor']['score']:.3f}): "
                      f"{r['ratio_to_ceiling']:.0%} of the ceiling")
+motion = lambda r: (f"{r['motion']['within_to_renderer']:.0%} of the renderer's per-frame change "
+                    f"({r['motion']['within_to_across']:.0%} of the change across groups)")
+MOTION = {"bound": ">= 50%", "met": lambda r: r["motion"]["within_to_renderer"] >= 0.5
+          and r["motion"]["within_to_across"] >= 0.5}
+offsets = lambda r: (f"{r['clips']['best_offset_zero']} of {r['clips']['of']} clips "
+                     f"(offsets {', '.join(str(c['best_offset']) for c in r['clips']['clips'])})")
+OFFSETS = {"bound": ">= 4 of 5", "met": lambda r: r["clips"]["best_offset_zero"] >= 4}
+listening = lambda r: (f"|corr| {abs(r['generated']['corr']):.2f} (shuffled voice at most {r['generated']['shuffled_abs_max']:.2f}; "
+                       f"renderer {abs(r['rendered']['corr']):.2f})")
+LISTENING = {"bound": "above the shuffled voice", "met": lambda r: r["generated"]["above_shuffled"]}
 sv = lambda r: r["serving"]
 STEP = "step_57b_tp3_h200_after_options.json"
 ATTENTION = "attention_57b_tp3_h200_repeat_4.json"
@@ -177,13 +187,29 @@ SECTIONS = [  # (title, note, rows)
             f"p50 {r['step_ms']['p50']:.1f} ms (p99 {r['step_ms']['p99']:.1f}), {r['underruns']} underruns", **REAL_TIME),
         Row("`demo` (random weights), one H200, step period, decoder in its own process", "pipeline_demo_h200.json",
             lambda r: f"{r['period_ms']:.1f} ms (diffusion {r['diffusion_ms']:.1f}, decode {r['decode_ms']:.1f})", **PERIOD),
-        Row("`demo`, 2-core CPU, steps a second (with decoding and scoring)", "lipsync_demo_cpu.json",
+        Row("`demo`, one H200, 2-minute session, the listening decoder", "soak_demo_h200_120s.json",
+            lambda r: f"{r['fps']:.2f} fps, step p50 {r['step_ms']['p50']:.1f} ms (p99 {r['step_ms']['p99']:.1f}), "
+                      f"{r['underruns']} underruns", **REAL_TIME),
+        Row("`demo`, one H200, 10 minutes offline: first against last minute", "drift_demo_h200.json",
+            lambda r: f"{r['drift']['verdict']} (score slope {r['drift']['score_slope_per_minute']:+.4f} a minute)",
+            bound="stable", met=lambda r: r["drift"]["verdict"] == "stable"),
+        Row("`demo`, 2-core CPU, steps a second (with decoding and scoring)", "lipsync_demo_cpu_listen.json",
             lambda r: f"{r['steps_per_second']:.1f}", **STEPS),
-        Row("`demo-cpu`, 2-core CPU, steps a second (with decoding and scoring)", "lipsync_demo-cpu_cpu.json",
+        Row("`demo-cpu`, 2-core CPU, steps a second (with decoding and scoring)", "lipsync_demo-cpu_cpu_listen.json",
             lambda r: f"{r['steps_per_second']:.1f}", **STEPS),
-        Row("lip sync, `demo`, one H200", "lipsync_demo_h200.json", lipsync),
-        Row("lip sync, `demo`, 2-core CPU", "lipsync_demo_cpu.json", lipsync),
-        Row("lip sync, `demo-cpu`, 2-core CPU", "lipsync_demo-cpu_cpu.json", lipsync),
+        Row("lip sync, `demo`, one H200", "lipsync_demo_h200_listen.json", lipsync),
+        Row("lip sync, `demo`, 2-core CPU", "lipsync_demo_cpu_listen.json", lipsync),
+        Row("lip sync, `demo-cpu`, one H200", "lipsync_demo-cpu_h200_listen.json", lipsync),
+        Row("lip sync, `demo-cpu`, 2-core CPU", "lipsync_demo-cpu_cpu_listen.json", lipsync),
+        Row("lips in time: best offset 0, held-out speech in 5 clips, `demo`, one H200", "lipsync_demo_h200_listen.json",
+            offsets, **OFFSETS),
+        Row("the same, `demo-cpu`, 2-core CPU", "lipsync_demo-cpu_cpu_listen.json", offsets, **OFFSETS),
+        Row("per-frame mouth motion inside a latent group, `demo`, one H200", "lipsync_demo_h200_listen.json", motion,
+            **MOTION),
+        Row("the same, `demo-cpu`, 2-core CPU", "lipsync_demo-cpu_cpu_listen.json", motion, **MOTION),
+        Row("listening: the picture's change with the user's voice, `demo`, one H200", "listen_demo_h200.json", listening,
+            **LISTENING),
+        Row("the same, `demo-cpu`, 2-core CPU", "listen_demo-cpu_cpu.json", listening, **LISTENING),
     ]),
     ("Voice loop", "End of speech to the first reply audio, medians over Piper-spoken questions fed in real time.", [
         Row("end of turn, Smart Turn: delay (paused questions cut early)", "turn_bench_cpu_asks.json", turn,
@@ -201,12 +227,14 @@ SECTIONS = [  # (title, note, rows)
         Row("`demo`, one H200, 1.5B model on the GPU", "app_bench_llm_h200_repeat.json", app_e2e, **json_target(True)),
         Row("`demo`, one H200, 1.5B model on its CPU (8 threads)", "app_bench_llm_h200_cpu_llm.json", app_e2e,
             **json_target(True)),
-        Row("`--spec auto` (`demo-cpu`), 2-core CPU, 1.5B model", "app_bench_auto_cpu_hold.json", app_e2e, **json_target(True)),
+        Row("`--spec auto` (`demo-cpu`), 2-core CPU, 1.5B model", "app_bench_auto_cpu_listen.json", app_e2e, **json_target(True)),
+        Row("the same, the decoder before listening, run just before", "app_bench_auto_cpu_listen_baseline.json", app_e2e,
+            **json_target(True)),
         Row("`tiny`, 2-core CPU, template agent", "app_bench_tiny_cpu_adaptive_lead.json", app_e2e, **json_target(True)),
     ]),
 ]
 
-LIPSYNC_CMD = "python -m lab.quality lipsync --spec {} --audio data/eval.wav --device {} --json"
+LIPSYNC_CMD = "python -m lab.quality lipsync --spec {} --audio data/eval.wav --device {} --clips 5 --json"
 COMMANDS = {
     STEP: "python -m lab.bench step --spec characters-57b --tp-shard 3 --json",
     ATTENTION: "python -m lab.bench attention --tp-shard 3 --json",
@@ -220,8 +248,15 @@ COMMANDS = {
     "session_demo_x2_h200.json": "SESSION_SECONDS=300 bash lab/device/gpu_suite.sh session2",
     "soak_demo_h200.json": "python -m lab.soak --spec demo --config cuda-graph --seconds 600 --json",
     "pipeline_demo_h200.json": "python -m lab.bench pipeline --spec demo --json",
-    "lipsync_demo_h200.json": LIPSYNC_CMD.format("demo", "cuda"), "lipsync_demo_cpu.json": LIPSYNC_CMD.format("demo", "cpu"),
-    "lipsync_demo-cpu_cpu.json": LIPSYNC_CMD.format("demo-cpu", "cpu"),
+    "soak_demo_h200_120s.json": "python -m lab.soak --spec demo --config cuda-graph --seconds 120 --json",
+    "drift_demo_h200.json": "python -m lab.quality drift --spec demo --minutes 10 --json",
+    "lipsync_demo_h200_listen.json": LIPSYNC_CMD.format("demo", "cuda"),
+    "lipsync_demo_cpu_listen.json": LIPSYNC_CMD.format("demo", "cpu"),
+    "lipsync_demo-cpu_h200_listen.json": LIPSYNC_CMD.format("demo-cpu", "cuda"),
+    "lipsync_demo-cpu_cpu_listen.json": LIPSYNC_CMD.format("demo-cpu", "cpu"),
+    "listen_demo_h200.json": "python -m lab.quality listen --spec demo --audio data/eval.wav --device cuda --json",
+    "listen_demo-cpu_cpu.json": "python -m lab.quality listen --spec demo-cpu --audio data/eval.wav --device cpu "
+                                "--sheet docs/listen_demo-cpu.png --json",
     "turn_bench_cpu_asks.json": "python -m lab.turn_bench --json --mode smart_turn",
     "voice_bench_llm_cpu_lead_3.json": "python -m lab.voice_bench --json --utterances 10",
     "voice_bench_llm_cpu_05b.json": "python -m lab.voice_bench --json --utterances 10 --llm qwen2.5-0.5b",
@@ -231,7 +266,9 @@ COMMANDS = {
     "app_bench_demo_h200_graph.json": "APP_UTTERANCES=8 bash lab/device/gpu_suite.sh app",
     "app_bench_llm_h200_repeat.json": "python -m lab.app_bench --device cuda --utterances 8 --json (llama-cpp-python's CUDA build)",
     "app_bench_llm_h200_cpu_llm.json": "python -m lab.app_bench --device cuda --utterances 8 --json",
-    "app_bench_auto_cpu_hold.json": "python -m lab.app_bench --device cpu --utterances 4 --json",
+    "app_bench_auto_cpu_listen.json": "python -m lab.app_bench --device cpu --utterances 4 --json",
+    "app_bench_auto_cpu_listen_baseline.json": "python -m lab.app_bench --device cpu --utterances 4 --json "
+                                               "(assets/demo-cpu-codec.pt of 912bd84)",
     "app_bench_tiny_cpu_adaptive_lead.json": "python -m lab.app_bench --spec tiny --utterances 4 --json",
 }
 
