@@ -42,7 +42,7 @@ def test_the_figures_and_verdicts_come_from_the_result(results):
     text = render()
     assert "| rank step, median, back to back | <= 100 ms | 101.2 ms (p90 102.2) | no | `" + STEP in text
     assert "| position reset: reset step - step (the rotation alone) | <= 10 ms | +1.8 ms" in text
-    edit(results / "app_bench_auto_cpu_hold.json", lambda d: d["target"].update(median_s=4.0))
+    edit(results / "app_bench_auto_cpu_listen.json", lambda d: d["target"].update(median_s=4.0))
     assert "| `--spec auto` (`demo-cpu`), 2-core CPU, 1.5B model | (a one-GPU target) | 4.00 s" in render()
 
 
@@ -83,6 +83,6 @@ def test_a_newer_run_of_the_same_benchmark_than_the_one_named_is_an_error(result
 
 def test_a_result_without_a_date_of_its_own_takes_its_commit_date(results):
     rows = {line.split("`")[1]: line for line in render().splitlines() if line.startswith("| `")}
-    assert rows["app_bench_auto_cpu_hold.json"].endswith("| CPU, 2 cores, load 0.37 | - | 2026-01-01 |")  # no date in it
+    assert rows["app_bench_auto_cpu_listen.json"].endswith("| CPU, 2 cores, load 1.97 | - | 2026-01-01 |")  # no date in it
     date = json.loads((results / STEP).read_text())["date"]
     assert rows[STEP].endswith(f"| NVIDIA H200 | torch 2.11.0+cu130, triton 3.6.0 | {date} |")
