@@ -272,3 +272,21 @@ def test_codec_audio_fine_tunes_a_decoder_that_reads_audio(tmp_path, capsys):
         heard_one = torch.full((1, 4, 3), 0.8)
         listening = tuned.decode_frames(z[None], rows[:1], heard_one) - tuned.decode_frames(z[None], rows[:1])
     assert louder.abs().max() > 1e-3 and listening.abs().max() > 1e-3
+
+
+def test_a_tracks_file_trains_as_its_corpus_does(tmp_path, capsys):
+    """`tracks` writes the corpus's per-frame tracks (features, mouth, listening rows) for a spec's clock; --corpus
+    reads them as it reads the corpus, and a spec with other mel bands is refused by name."""
+    from training.train import corpus_tracks, load_tracks
+
+    corpus, tracks_file = tmp_path / "c.npz", tmp_path / "t.npz"
+    assert main(["corpus", "--out", str(corpus), "--minutes", "0.2", "--source", "synth"]) == 0
+    assert main(["tracks", "--spec", "tiny", "--corpus", str(corpus), "--out", str(tracks_file), "--device", "cpu"]) == 0
+    assert '"phase": "tracks"' in capsys.readouterr().out
+    pcm, _ = load_corpus(corpus)
+    direct, (read, meta) = corpus_tracks(pcm, TINY), load_tracks(tracks_file, TINY)
+    assert torch.allclose(read.features, direct.features, atol=2e-3)  # stored as float16
+    assert torch.equal(read.mouth, direct.mouth) and torch.equal(read.listening, direct.listening)
+    assert read.listening.shape == (direct.n_frames, 3) and meta["seconds"] == 12.0
+    with pytest.raises(ValueError, match="mel bands"):
+        load_tracks(tracks_file, TINY.with_(n_mels=32))
