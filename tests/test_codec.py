@@ -54,10 +54,17 @@ def test_round_trip_on_renderer_frames(tmp_path):
 
 @pytest.mark.skipif(not (ASSETS / "demo-codec.pt").is_file(), reason="no shipped demo codec")
 def test_shipped_codec_round_trip():
+    """The shipped decoder reads each frame's audio: the round trip gets the rows of the audio the mouths came from."""
+    from engine.mel import log_mel_frames
+
     codec = load_codec(DEMO, ASSETS / "demo-codec.pt")
-    states = ch.frame_states(ch.mouth_from_audio(torch.randn(16000) * 0.2), seed=2)[:8]
+    pcm = torch.randn(16000, generator=torch.Generator().manual_seed(0)) * 0.2
+    states = ch.frame_states(ch.mouth_from_audio(pcm), seed=2)[:8]
     frames = torch.stack([ch.render(ch.look_vectors(p), states, DEMO.image_size).unflatten(0, (2, 4)) for p in ch.PRESETS]).flatten(0, 1)
-    assert codec_psnr(codec, frames) > SHIPPED_PSNR_DB
+    ctx = codec.audio_context
+    rows = torch.stack([log_mel_frames(pcm, DEMO.n_mels, 4 * g - ctx, 4 + 2 * ctx) for g in range(2)])
+    assert codec.cfg.audio_mels == DEMO.n_mels and codec.listen_features == 3
+    assert codec_psnr(codec, frames, rows.repeat(len(ch.PRESETS), 1, 1)) > SHIPPED_PSNR_DB
 
 
 def test_checksum_failure_is_a_clear_error(tmp_path):
@@ -161,13 +168,16 @@ def test_an_audio_decoder_starts_as_the_decoder_it_is_built_on():
 
 
 @pytest.mark.skipif(not (ASSETS / "demo-cpu-codec.pt").is_file(), reason="no shipped demo-cpu codec")
-def test_the_shipped_codec_loads_as_audio_free_and_seeds_an_identical_audio_decoder():
+def test_the_shipped_codec_reads_audio_and_the_user_and_an_audio_free_one_seeds_an_identical_audio_decoder(tmp_path):
     from training.train import audio_decoder_from
 
     spec = get_spec("demo-cpu")
-    base = load_codec(spec, ASSETS / "demo-cpu-codec.pt")
+    shipped = load_codec(spec, ASSETS / "demo-cpu-codec.pt")
+    assert shipped.cfg == codec_config(spec, audio=True, listen_features=3)
+    save_codec(build_codec(spec, seed=5), tmp_path / "demo-cpu-codec.pt")  # an audio-free codec, as trained first
+    base = load_codec(spec, tmp_path / "demo-cpu-codec.pt")
     assert base.cfg.audio_mels == 0 and base.cfg == codec_config(spec)
-    codec = audio_decoder_from(base, spec)
+    codec = audio_decoder_from(base, spec, listen_features=3)
     z = base.encode_reference(ch.reference_image("kofi", spec.image_size))
     # The same weights, the output convolution run per frame (grouped): equal to within one level of 255 in
     # a few pixels (float summation order), and equal whatever the audio or the user's voice.

@@ -277,8 +277,12 @@ def save_tracks(path: str | Path, tracks: Tracks, spec: ModelSpec, meta: dict) -
 def load_tracks(path: str | Path, spec: ModelSpec) -> tuple[Tracks, dict]:
     """The tracks of a corpus file (int16 PCM, made here) or a tracks file (save_tracks) for `spec`."""
     path = Path(path)
-    if path.is_file():
-        with np.load(path, allow_pickle=False) as z:
+    try:
+        z = np.load(path, allow_pickle=False) if path.is_file() else None
+    except Exception:  # not an npz: load_corpus says what it is not
+        z = None
+    if z is not None:
+        with z:
             if "features" in z.files:
                 meta = json.loads(str(z["meta"]))
                 if meta.get("fps") != spec.fps or meta.get("n_mels") != spec.n_mels:
@@ -557,11 +561,13 @@ def _save_codec_weights(ema: EMA, out: Path, save: Callable[[bool], None], phase
     return load_codec(spec, out).to(device)
 
 
-def codec_psnr(codec: TrainedCodec, frames: torch.Tensor) -> float:
-    """PSNR (dB) of the uint8 round trip of float frames (B, 4, 3, H, W) in [0, 1]."""
+def codec_psnr(codec: TrainedCodec, frames: torch.Tensor, audio: torch.Tensor | None = None) -> float:
+    """PSNR (dB) of the uint8 round trip of float frames (B, 4, 3, H, W) in [0, 1] (an audio codec reads `audio`,
+    each group's rows, as decode_frames takes them)."""
     with torch.no_grad():
         p = next(codec.parameters())
-        out = codec.decode_frames(codec.encode_frames(frames.to(p.device, p.dtype))).float().clamp(0, 1)
+        rows = audio.to(p.device, p.dtype) if audio is not None else None
+        out = codec.decode_frames(codec.encode_frames(frames.to(p.device, p.dtype)), rows).float().clamp(0, 1)
         q = lambda x: (x * 255).round() / 255  # noqa: E731 - both sides as uint8 pictures
         mse = F.mse_loss(q(out), q(frames.to(out.device).float())).item()
     return -10 * math.log10(max(mse, 1e-12))
