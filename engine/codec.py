@@ -96,10 +96,7 @@ def decode_step(codec: Codec, latent: torch.Tensor, window: torch.Tensor | None,
         return codec.decode(latent)
     if window is None:
         raise ValueError("this codec is audio-conditioned: the step's audio window must come with its latent")
-    rows = step_audio_rows(window, spec, codec.audio_context)
-    if getattr(codec, "listen_features", 0):
-        return codec.decode(latent, audio=rows, listen=listen)
-    return codec.decode(latent, audio=rows)
+    return codec.decode(latent, audio=step_audio_rows(window, spec, codec.audio_context), listen=listen)
 
 
 class StandInCodec(nn.Module):

@@ -771,6 +771,12 @@ def sheet(spec, pcm: np.ndarray, presets: list[str], out: str | Path, *, every: 
             "layout": "per preset: generated row, then the renderer's row" if with_renderer else "generated rows"}
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The report functions' engine keywords from the arguments engine_arguments adds."""
+    return dict(weights=args.weights, device=str(pick_device(args.device)), cache=args.cache, kv_dtype=args.kv_dtype,
+                seed=args.seed)
+
+
 def engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine a report runs: the character, its weights, the device, the cache and the noise seed."""
     parser.add_argument("--preset", default="ada", help=f"one of {', '.join(ch.PRESETS)}")
@@ -848,26 +854,18 @@ def main(argv: list[str] | None = None) -> int:
     lst.add_argument("--every", type=int, default=12, help="the sheet takes every n-th frame")
     lst.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    if args.cmd == "listen":
+    if args.cmd in ("listen", "idle"):
         try:
             ch.get_look(args.preset)
-            user = read_audio(args.audio, max_seconds=args.max_seconds)
-            report = listen_report(get_spec(args.spec), user, args.preset, weights=args.weights,
-                                   device=str(pick_device(args.device)), cache=args.cache, kv_dtype=args.kv_dtype,
-                                   seed=args.seed, sheet=args.sheet, every=args.every)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(json.dumps(report) if args.json else json.dumps(report, indent=2))
-        return 0
-    if args.cmd == "idle":
-        try:
-            ch.get_look(args.preset)
-            if not args.seconds > 0 or not args.still_threshold > 0:
-                raise ValueError("--seconds and --still-threshold must be positive")
-            report = idle_report(get_spec(args.spec), args.seconds, args.preset, weights=args.weights,
-                                 device=str(pick_device(args.device)), cache=args.cache, kv_dtype=args.kv_dtype,
-                                 seed=args.seed, still_threshold=args.still_threshold)
+            engine = engine_kwargs(args)
+            if args.cmd == "listen":
+                user = read_audio(args.audio, max_seconds=args.max_seconds)
+                report = listen_report(get_spec(args.spec), user, args.preset, sheet=args.sheet, every=args.every, **engine)
+            else:
+                if not args.seconds > 0 or not args.still_threshold > 0:
+                    raise ValueError("--seconds and --still-threshold must be positive")
+                report = idle_report(get_spec(args.spec), args.seconds, args.preset, still_threshold=args.still_threshold,
+                                     **engine)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -904,13 +902,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = get_spec(args.spec)
         ch.get_look(args.preset)
-        device = pick_device(args.device)
+        kwargs = {**engine_kwargs(args), "max_offset": args.max_offset}
         pcm = read_audio(args.audio, max_seconds=args.max_seconds)
         min_seconds = (2 * args.max_offset + 8) / spec.fps
         if pcm.size < min_seconds * SAMPLE_RATE:
             raise ValueError(f"{args.audio} is {pcm.size / SAMPLE_RATE:.2f} s; the metric needs at least {min_seconds:.1f} s")
-        kwargs = dict(weights=args.weights, device=str(device), cache=args.cache, kv_dtype=args.kv_dtype, seed=args.seed,
-                      max_offset=args.max_offset)
         if args.minutes:
             progress = (lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
             report = long_session_report(spec, pcm, args.minutes, args.preset, progress=progress, **kwargs)

@@ -316,7 +316,7 @@ def test_the_decoder_gets_its_frames_rows_of_the_step_window(model):
             super().__init__(spec)
             self.rows: list[torch.Tensor] = []
 
-        def decode(self, latent, audio=None):
+        def decode(self, latent, audio=None, listen=None):
             self.rows.append(audio.clone())
             return super().decode(latent)
 

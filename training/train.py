@@ -367,6 +367,17 @@ def _load_state(path: Path) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else None
 
 
+def _resume(path: Path, phase: str, model: nn.Module, ema: EMA, opt: torch.optim.Optimizer) -> tuple[int, float]:
+    """A phase's saved training state (_save_state) put back into its model, EMA and optimiser, with a log line:
+    -> (steps done, seconds elapsed); (0, 0.0) where none is saved."""
+    state = _load_state(path)
+    if state is None:
+        return 0, 0.0
+    model.load_state_dict(state["model"]), ema.module.load_state_dict(state["ema"]), opt.load_state_dict(state["opt"])
+    log(phase=phase, event="resumed", step=state["step"], elapsed=state["elapsed"])
+    return state["step"], state["elapsed"]
+
+
 # Codec training -----------------------------------------------------------------------------------
 class FrameSampler:
     """Random 4-frame groups rendered on the device: mixed looks, idle motion, corpus mouths."""
@@ -516,11 +527,7 @@ def train_codec(spec: ModelSpec, tracks: Tracks, *, minutes: float, device: torc
         codec = codec.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(codec.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=1e-4)
     ema = EMA(codec, 0.998)
-    step, elapsed = 0, 0.0
-    if resume and (state := _load_state(state_path)) is not None:
-        codec.load_state_dict(state["model"]), ema.module.load_state_dict(state["ema"]), opt.load_state_dict(state["opt"])
-        step, elapsed = state["step"], state["elapsed"]
-        log(phase="codec", event="resumed", step=step, elapsed=elapsed)
+    step, elapsed = _resume(state_path, "codec", codec, ema, opt) if resume else (0, 0.0)
     sampler = FrameSampler(spec, tracks, seed + step, device)
     clock, last_save = Clock(minutes, elapsed, deadline), time.perf_counter()
     log(phase="codec", event="start", params=sum(p.numel() for p in codec.parameters()), batch=batch, device=str(device))
@@ -574,6 +581,9 @@ def codec_psnr(codec: TrainedCodec, frames: torch.Tensor, audio: torch.Tensor | 
 
 
 # The audio-conditioned decoder --------------------------------------------------------------------------
+AUDIO_LAYERS = ("audio.", "film.", "frame_", "listen.")  # the decoder's layers an audio decoder adds (names under it)
+
+
 def audio_decoder_from(base: TrainedCodec, spec: ModelSpec, *, seed: int = 0, **audio: int) -> TrainedCodec:
     """A codec whose decoder reads audio, built on `base`: its encoder and decoder weights copied, the new audio
     layers zero at their outputs, so it decodes exactly as `base` until trained. A base that already reads audio
@@ -586,7 +596,7 @@ def audio_decoder_from(base: TrainedCodec, spec: ModelSpec, *, seed: int = 0, **
         return copy.deepcopy(base)
     codec = build_codec(spec, seed=seed, cfg=cfg)
     missing, unexpected = codec.load_state_dict(base.state_dict(), strict=False)
-    if unexpected or any(not k.startswith(("decoder.audio.", "decoder.film.", "decoder.frame_", "decoder.listen.")) for k in missing):
+    if unexpected or any(not k.startswith(tuple(f"decoder.{layer}" for layer in AUDIO_LAYERS)) for k in missing):
         raise ValueError(f"codec {base.cfg.name} does not fit the audio decoder: missing {missing}, unexpected {unexpected}")
     return codec.to(next(base.parameters()).device)
 
@@ -612,17 +622,12 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
         codec = codec.to(memory_format=torch.channels_last)
     codec.encoder.requires_grad_(False).eval()  # eval: its BatchNorm keeps the statistics the latents were made with
     codec.decoder.train()
-    added = ("audio.", "film.", "frame_", "listen.")
-    new = [p for name, p in codec.decoder.named_parameters() if name.startswith(added)]
-    old = [p for name, p in codec.decoder.named_parameters() if not name.startswith(added)]
+    new = [p for name, p in codec.decoder.named_parameters() if name.startswith(AUDIO_LAYERS)]
+    old = [p for name, p in codec.decoder.named_parameters() if not name.startswith(AUDIO_LAYERS)]
     opt = torch.optim.AdamW([{"params": old, "base": lr}, {"params": new, "base": new_lr}], lr=lr, betas=(0.9, 0.99),
                             weight_decay=1e-4)
     ema = EMA(codec, 0.998)
-    step, elapsed = 0, 0.0
-    if resume and (state := _load_state(state_path)) is not None:
-        codec.load_state_dict(state["model"]), ema.module.load_state_dict(state["ema"]), opt.load_state_dict(state["opt"])
-        step, elapsed = state["step"], state["elapsed"]
-        log(phase="codec-audio", event="resumed", step=step, elapsed=elapsed)
+    step, elapsed = _resume(state_path, "codec-audio", codec, ema, opt) if resume else (0, 0.0)
     context = codec.cfg.audio_context
     sampler = FrameSampler(spec, tracks, seed + step, device)
     clock, last_save = Clock(minutes, elapsed, deadline), time.perf_counter()
@@ -924,11 +929,7 @@ def train_dit(spec: ModelSpec, tracks: Tracks, codec: TrainedCodec, *, minutes: 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     ema = EMA(model, 0.999)
     state_path = work / f"{spec.name}-dit-state.pt"
-    step, elapsed = 0, 0.0
-    if resume and (state := _load_state(state_path)) is not None:
-        model.load_state_dict(state["model"]), ema.module.load_state_dict(state["ema"]), opt.load_state_dict(state["opt"])
-        step, elapsed = state["step"], state["elapsed"]
-        log(phase="dit", event="resumed", step=step, elapsed=elapsed)
+    step, elapsed = _resume(state_path, "dit", model, ema, opt) if resume else (0, 0.0)
     sampler = ClipSampler(bank, tracks, spec, clip, seed + step, device, mouth_weight)
     levels = noise_levels(spec.passes)
     attention = TeacherForcingAttention(spec, clip, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
