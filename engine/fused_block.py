@@ -19,6 +19,7 @@ import torch
 
 from engine.kernels.fp8_linear import quantize_linears_
 from engine.kernels.fused_block import gated_sum, gated_sum_ln_quant, ln_modulate_quant
+from engine.kernels.policy import block_gemm_kernels
 from engine.model import Block, share_parts
 from engine.parallel import Reduce, TensorParallelBlock
 
@@ -194,11 +195,12 @@ class FusedBlock(Block):
 
 def apply_fp8_kernels(model, *, fuse: bool = True, branch_streams: bool = True, fast_accum: bool = False,
                       gemm_kernels: dict[str, str] | None = None):
-    """The blocks' big linears swapped for FP8Linear (`fast_accum`, `gemm_kernels`: as quantize_linears_ takes
-    them), in place; with `fuse`, each block swapped for a FusedBlock on its own parts, one FusedPass shared by
-    all (`branch_streams`: each block's MLP branch on a side stream, on a GPU). A tensor-parallel block keeps its
+    """The blocks' big linears swapped for FP8Linear (`fast_accum`: as quantize_linears_ takes it; `gemm_kernels`:
+    the FP8 product's kernel per linear name over the policy's defaults, as policy.block_gemm_kernels takes them),
+    in place; with `fuse`, each block swapped for a FusedBlock on its own parts, one FusedPass shared by all
+    (`branch_streams`: each block's MLP branch on a side stream, on a GPU). A tensor-parallel block keeps its
     reduction. Returns the model."""
-    quantize_linears_(model, fast_accum=fast_accum, gemm_kernels=gemm_kernels)
+    quantize_linears_(model, fast_accum=fast_accum, gemm_kernels=block_gemm_kernels(model, gemm_kernels))
     if not fuse:
         return model
     shared = FusedPass(model.blocks)

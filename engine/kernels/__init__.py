@@ -22,15 +22,22 @@ from engine.kernels.launch import (
 )
 from engine.kernels.policy import (
                                    ATTENTION_KERNELS,
+                                   FP8_GEMM_ENV,
                                    GEMM_MODES,
+                                   TRITON_PLAIN_LINEARS,
                                    attention_kernel,
                                    attention_option_names,
+                                   block_gemm_kernels,
                                    check_attention_kernel,
+                                   default_gemm_kernels,
+                                   hopper_gemm_kernels,
                                    make_attention,
+                                   triton_fp8_gemm_runs,
                                    warp_specialized_attention_runs,
 )
 
-__all__ = ["ATTENTION_KERNELS", "FP_FUSION", "GEMM_MODES", "PDL_ENV", "WS_HEAD_DIMS", "attention_kernel",
-           "attention_option_names", "available", "check_attention_kernel", "hopper_feature", "interpreting",
+__all__ = ["ATTENTION_KERNELS", "FP8_GEMM_ENV", "FP_FUSION", "GEMM_MODES", "PDL_ENV", "TRITON_PLAIN_LINEARS",
+           "WS_HEAD_DIMS", "attention_kernel", "attention_option_names", "available", "block_gemm_kernels",
+           "check_attention_kernel", "default_gemm_kernels", "hopper_feature", "hopper_gemm_kernels", "interpreting",
            "launch_pdl", "make_attention", "pdl_launch", "pdl_runs", "supports_fp8_tensor_cores",
-           "warp_specialized_attention_runs"]
+           "triton_fp8_gemm_runs", "warp_specialized_attention_runs"]

@@ -4,12 +4,12 @@ y = (x8 @ w8ᵀ) * sx[:, None] * sw[None, :], with x8 = x / sx and w8 = w / sw i
 sx the absmax of each token's row / 448 and sw the absmax of each output channel /
 448. On Hopper the product is `torch._scaled_mm` with row-wise scales; the activation
 quantisation is one Triton pass over x. Elsewhere (CPU) the same function runs as a
-dequantised float matmul, the reference the GPU path is held to.
+dequantised float matmul, the reference the GPU path is held to. Which kernel each block linear's product runs
+on is policy.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
@@ -22,7 +22,7 @@ from engine import fp8
 from engine.kernels.common import to_fp8, wait_for_previous_kernel
 from engine.kernels.fp8_gemm import FP8GEMM, interleave_gate_up
 from engine.kernels.fused_block import swiglu_quant
-from engine.kernels.launch import FP_FUSION, hopper_feature, interpreting, pdl_launch
+from engine.kernels.launch import FP_FUSION, interpreting, pdl_launch
 
 log = logging.getLogger("talkloop.kernels")
 
@@ -161,8 +161,6 @@ def prefer_static_gemm_schedule() -> bool:
 
 SWIGLU_BLOCK = 128  # MLP-in's gate/up interleave: the Triton SwiGLU form's output tile width
 PLAIN_BLOCK = 256  # the Triton plain form's output tile width where the output tiles in it (128 elsewhere)
-# on the Triton plain form by default where all three outputs tile in PLAIN_BLOCK
-TRITON_PLAIN_LINEARS = ("qkv", "attn_out", "mlp_out")
 
 
 def plain_block_n(out_features: int) -> int:
@@ -176,59 +174,20 @@ def swiglu_block(out_features: int) -> int:
     return SWIGLU_BLOCK if out_features % (2 * SWIGLU_BLOCK) == 0 else 0
 
 
-@functools.cache
-def triton_fp8_gemm_runs(device_index: int) -> bool:
-    """A Hopper GPU (sm_90) and a Triton with host-side TMA descriptors; probed once per device."""
-    return hopper_feature(device_index, "Triton FP8 GEMM (MLP-in with SwiGLU in its epilogue; q/k/v and MLP-out where they tile)", "triton.tools.tensor_descriptor",
-                          "cuBLAS serves every FP8 linear")
-
-
-FP8_GEMM_ENV = "TALKLOOP_FP8_GEMM"  # "auto" (the default) or "cublas": every FP8 linear on cuBLAS, in every process
-
-
-def default_gemm_kernels(device: torch.device | None, widths: dict[str, int]) -> dict[str, str]:
-    """Per block linear, the FP8 product's kernel, from the linears' output widths (`widths`: name -> out_features):
-    on Hopper the Triton SwiGLU form for MLP-in where its gate and up halves tile (no (M, 2H) product stored and
-    read back by a SwiGLU pass), and with it the plain form in 128x256 tiles for q/k/v, the out-projection and
-    MLP-out where all three outputs tile in 256 columns (launched with PDL, as cuBLAS's GEMMs are not; why:
-    docs/kernels.md); cuBLAS for the rest and elsewhere, and for all with TALKLOOP_FP8_GEMM=cublas."""
-    choice = os.environ.get(FP8_GEMM_ENV, "auto")
-    if choice not in ("auto", "cublas"):
-        raise ValueError(f"{FP8_GEMM_ENV} must be auto or cublas, got {choice!r}")
-    chosen = hopper_gemm_kernels(widths)
-    if choice != "auto" or not chosen or device is None or device.type != "cuda":
-        return {}
-    if not triton_fp8_gemm_runs(device.index or 0):  # probed (and logged) only where it would be used
-        return {}
-    return chosen
-
-
 def linear_widths(block: nn.Module) -> dict[str, int]:
-    """A block's linears' output widths by name, what `default_gemm_kernels` chooses by."""
+    """A block's linears' output widths by name, what policy.default_gemm_kernels chooses by."""
     return {name: getattr(block, name).out_features for name in BLOCK_LINEARS}
-
-
-def hopper_gemm_kernels(widths: dict[str, int]) -> dict[str, str]:
-    """The block linears the Triton FP8 GEMM takes on Hopper, by their output widths (`default_gemm_kernels`'s rule)."""
-    if not swiglu_block(widths["mlp_in"]):
-        return {}
-    chosen = {"mlp_in": "triton"}
-    if all(widths[name] % PLAIN_BLOCK == 0 for name in TRITON_PLAIN_LINEARS):
-        chosen.update(dict.fromkeys(TRITON_PLAIN_LINEARS, "triton"))
-    return chosen
 
 
 def quantize_linears_(model: nn.Module, fast_accum: bool = False, gemm_kernels: dict[str, str] | None = None) -> nn.Module:
     """Swap the blocks' big linears for FP8Linear, in place (the fused block that runs them around its own kernels:
     engine/fused_block.py's apply_fp8_kernels). `fast_accum`: FP8 GEMMs with the tensor cores' fast accumulation
-    (GPU only); `gemm_kernels`: the FP8 product's kernel per linear name (FP8_GEMM_KERNELS), over
-    `default_gemm_kernels` (cuBLAS for a linear named in neither)."""
-    on_gpu = [p.device for p in model.parameters() if p.is_cuda]
-    defaults = default_gemm_kernels(on_gpu[0] if on_gpu else None, linear_widths(model.blocks[0]))
-    gemm_kernels = {**defaults, **(gemm_kernels or {})}
+    (GPU only); `gemm_kernels`: the FP8 product's kernel per linear name (FP8_GEMM_KERNELS; cuBLAS for a linear not
+    named), as policy.block_gemm_kernels chooses them."""
+    gemm_kernels = gemm_kernels or {}
     if unknown := set(gemm_kernels) - set(BLOCK_LINEARS):
         raise ValueError(f"gemm_kernels names {sorted(unknown)}; the block linears are {', '.join(BLOCK_LINEARS)}")
-    if on_gpu:
+    if any(p.is_cuda for p in model.parameters()):
         prefer_static_gemm_schedule()
     for block in model.blocks:
         for name in BLOCK_LINEARS:

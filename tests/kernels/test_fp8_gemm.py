@@ -18,8 +18,9 @@ import torch
 pytest.importorskip("triton")
 
 from engine.kernels.fp8_gemm import FP8GEMM, fp8_gemm_reference, interleave_gate_up  # noqa: E402
-from engine.kernels.fp8_linear import FP8Linear, default_gemm_kernels  # noqa: E402
+from engine.kernels.fp8_linear import FP8Linear  # noqa: E402
 from engine.kernels.fused_block import swiglu_quant  # noqa: E402
+from engine.kernels.policy import default_gemm_kernels  # noqa: E402
 from tests.helpers import rel, run_session  # noqa: E402
 from tests.kernels.shared import kernel_model  # noqa: E402
 
@@ -123,7 +124,7 @@ def test_default_kernels_take_triton_only_where_the_swiglu_form_tiles(monkeypatc
 
 
 def test_the_hopper_rule_at_the_57b_shard_s_degrees():
-    from engine.kernels.fp8_linear import hopper_gemm_kernels
+    from engine.kernels.policy import hopper_gemm_kernels
 
     four = dict.fromkeys(("mlp_in", "qkv", "attn_out", "mlp_out"), "triton")
     assert hopper_gemm_kernels(widths(2 * 24576 // 3, qkv=3 * 7680 // 3)) == four  # degree 3
