@@ -32,6 +32,10 @@ user's voice for its 4 frames (`engine.listen`), embedded by a smaller MLP and j
 speech embedding before the FiLM layers. It draws the listening motion (nods, brows, mouth
 corners, gaze) that the renderer's training frames show while the user speaks; rows of
 silence (zeros) leave the picture as the speech alone makes it.
+
+With `mouth_dims` > 0 the audio decoder also predicts each frame's mouth (opening, roundness)
+from its rows and adds a learnt per-pixel change for each frame's departure from the group's
+mean (`FrameMouth`): the lips move at 24 Hz, not at the latent's 6.
 """
 
 from __future__ import annotations
@@ -146,6 +150,7 @@ class CodecConfig:
     audio_embed: int = 32  # width of one frame's audio embedding (with audio_mels > 0)
     listen_features: int = 0  # rows per frame of the user's voice (engine.listen) an audio decoder reads; 0: none
     listen_embed: int = 16  # width of the 4 frames' listening embedding (with listen_features > 0)
+    mouth_dims: int = 0  # per-frame mouth values (opening, roundness) an audio decoder predicts and draws; 0: none
 
     def __post_init__(self) -> None:
         n = self.levels
@@ -156,6 +161,9 @@ class CodecConfig:
         if self.listen_features < 0 or (self.listen_features and (not self.audio_mels or self.listen_embed < 1)):
             raise ValueError(f"codec {self.name}: a listening stream (listen_features {self.listen_features}) needs an "
                              f"audio decoder (audio_mels > 0) and listen_embed >= 1")
+        if self.mouth_dims < 0 or (self.mouth_dims and not self.audio_mels):
+            raise ValueError(f"codec {self.name}: a per-frame mouth (mouth_dims {self.mouth_dims}) needs an audio "
+                             f"decoder (audio_mels > 0)")
 
     @property
     def audio_rows(self) -> int:
@@ -170,13 +178,16 @@ class CodecConfig:
         """The fields a checkpoint records; an audio-free codec leaves the audio fields out, so that its
         checkpoints are written, and compared at load, exactly as before they existed."""
         d = asdict(self)
-        for key in AUDIO_FIELDS if not self.audio_mels else LISTEN_FIELDS if not self.listen_features else ():
+        unused = AUDIO_FIELDS if not self.audio_mels else (
+            (LISTEN_FIELDS if not self.listen_features else ()) + (MOUTH_FIELDS if not self.mouth_dims else ()))
+        for key in unused:
             d.pop(key)
         return d
 
 
 LISTEN_FIELDS = ("listen_features", "listen_embed")
-AUDIO_FIELDS = ("audio_mels", "audio_context", "audio_embed", *LISTEN_FIELDS)
+MOUTH_FIELDS = ("mouth_dims",)
+AUDIO_FIELDS = ("audio_mels", "audio_context", "audio_embed", *LISTEN_FIELDS, *MOUTH_FIELDS)
 
 
 def _levels(image_size: tuple[int, int], latent_grid: tuple[int, int]) -> int:
@@ -271,6 +282,34 @@ class FiLM(nn.Module):
         return torch.addcmul(shift, x, 1 + scale)  # one pass over x
 
 
+class FrameMouth(nn.Module):
+    """Each frame's mouth (opening, roundness) read from its audio rows, and a per-pixel basis, drawn from the
+    decoder's last features, for a change of each: frame f gets sum_k (m_fk - mean over the group of m_k) *
+    basis_k added. The latent holds the group's mean mouth; this draws each frame's departure from it, so the
+    mouth moves at 24 Hz. The mouth follows a frame's sound and its neighbours' (the renderer's rule), so it is
+    learnt from the rendered states directly; the basis is linear in the change, which holds while the lips move
+    by a pixel or two a frame. The basis starts at zero: a decoder that gains it decodes as before."""
+
+    def __init__(self, cfg: CodecConfig, channels: int):
+        super().__init__()
+        self.span, self.dims = 2 * cfg.audio_context + 1, cfg.mouth_dims
+        self.predict = nn.Sequential(nn.Linear(self.span * cfg.audio_mels, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(),
+                                     nn.Linear(64, cfg.mouth_dims))
+        self.basis = nn.Sequential(nn.Conv2d(channels, 4 * 3 * cfg.mouth_dims, 3, padding=1), nn.PixelShuffle(2))
+        nn.init.zeros_(self.basis[0].weight)
+        nn.init.zeros_(self.basis[0].bias)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        """(B, 4 + 2 ctx, mels) -> each frame's mouth (B, 4, dims)."""
+        return self.predict(audio.unfold(1, self.span, 1).flatten(2))
+
+    def draw(self, features: torch.Tensor, mouth: torch.Tensor) -> torch.Tensor:
+        """Features (B, C, H/2, W/2) and the frames' mouths (B, 4, dims) -> each frame's change (B, 4, 3, H, W)."""
+        basis = self.basis(features).unflatten(1, (self.dims, 3))  # (B, dims, 3, H, W)
+        change = mouth - mouth.mean(1, keepdim=True)
+        return torch.einsum("bfk,bkchw->bfchw", change.to(basis.dtype), basis)
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: CodecConfig):
         super().__init__()
@@ -298,10 +337,15 @@ class Decoder(nn.Module):
                 self.listen = nn.Sequential(nn.Linear(cfg.listen_features, e), nn.SiLU(), nn.Linear(e, e), nn.SiLU())
             self.film = nn.ModuleList(FiLM(cfg.frames_per_latent * frame_cond, c) for c in (w[0], *w[1:-1]))
             self.frame_film = FiLM(frame_cond, w[-1])
+        self.mouth_dims = cfg.mouth_dims
+        if cfg.mouth_dims:
+            self.mouth = FrameMouth(cfg, w[-1])
 
-    def forward(self, z: torch.Tensor, audio: torch.Tensor | None = None, listen: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, audio: torch.Tensor | None = None, listen: torch.Tensor | None = None,
+                mouth: torch.Tensor | None = None) -> torch.Tensor:
         """(B, C, h, w), audio (B, 4 + 2 ctx, mels) with audio_mels, listen (B, 4, listen_features) with
-        listen_features (None: silence) -> (B, 12, H, W), about [-1, 1]."""
+        listen_features (None: silence) -> (B, 12, H, W), about [-1, 1]. With mouth_dims the frames' mouths
+        (B, 4, mouth_dims) are drawn; None: the ones the audio predicts (training passes the true ones)."""
         x = self.latent_blocks(self.stem(z))
         if not self.audio_rows:
             for stage in self.stages:
@@ -317,10 +361,15 @@ class Decoder(nn.Module):
             x = stage(x)
             if i < len(self.stages) - 1:  # the last stage's output is normalised and modulated at the output
                 x = self.film[i + 1](x, cond)
-        x = self.frame_film(self.out[0](x)[:, None], per_frame)  # (B, 4, C, H/2, W/2)
+        normed = self.out[0](x)
+        x = self.frame_film(normed[:, None], per_frame)  # (B, 4, C, H/2, W/2)
         conv = self.out[2]
         x = F.conv2d(self.out[1](x.flatten(1, 2)), conv.weight, conv.bias, padding=1, groups=self.frames)
-        return self.out[3](x)
+        x = self.out[3](x)
+        if not self.mouth_dims:
+            return x
+        mouth = self.mouth(audio) if mouth is None else mouth
+        return x + self.mouth.draw(self.out[1](normed), mouth).flatten(1, 2)
 
 
 class TrainedCodec(nn.Module):
@@ -354,10 +403,11 @@ class TrainedCodec(nn.Module):
         return self.cfg.listen_features
 
     def decode_frames(self, latents: torch.Tensor, audio: torch.Tensor | None = None,
-                      listen: torch.Tensor | None = None) -> torch.Tensor:
+                      listen: torch.Tensor | None = None, mouth: torch.Tensor | None = None) -> torch.Tensor:
         """Latents (B, C, h, w) -> float frames (B, 4, 3, H, W), about [0, 1] (not clamped). An audio decoder
         needs `audio` (B, 4 + 2 audio_context, audio_mels): each frame's log-mel rows; others ignore it. A
-        listening one reads `listen` (B, 4, listen_features), the user's voice (None: silence)."""
+        listening one reads `listen` (B, 4, listen_features), the user's voice (None: silence). One with
+        mouth_dims draws `mouth` (B, 4, mouth_dims), each frame's mouth, if given (training), else the audio's."""
         c, (h, w) = self.cfg.latent_channels, self.cfg.latent_grid
         if latents.ndim != 4 or tuple(latents.shape[1:]) != (c, h, w):
             raise ValueError(f"latents must be (B, {c}, {h}, {w}), got {tuple(latents.shape)}")
@@ -370,7 +420,11 @@ class TrainedCodec(nn.Module):
             heard = (latents.shape[0], self.cfg.frames_per_latent, self.cfg.listen_features)
             if listen is not None and self.cfg.listen_features and tuple(listen.shape) != heard:
                 raise ValueError(f"listening rows must be {heard}, got {tuple(listen.shape)}")
-            out = self.decoder(latents, audio.to(latents.dtype), listen if self.cfg.listen_features else None)
+            shaped = (latents.shape[0], self.cfg.frames_per_latent, self.cfg.mouth_dims)
+            if mouth is not None and self.cfg.mouth_dims and tuple(mouth.shape) != shaped:
+                raise ValueError(f"mouths must be {shaped}, got {tuple(mouth.shape)}")
+            out = self.decoder(latents, audio.to(latents.dtype), listen if self.cfg.listen_features else None,
+                               mouth if self.cfg.mouth_dims else None)
         else:
             out = self.decoder(latents)
         return (out.unflatten(1, (self.cfg.frames_per_latent, 3)) + 1.0) / 2.0

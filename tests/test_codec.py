@@ -1,5 +1,6 @@
 """The trained codec: seam shapes, a round trip on renderer frames, checksums and the size budget."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,44 @@ def test_the_shipped_codec_reads_audio_and_the_user_and_an_audio_free_one_seeds_
     seeded = codec.decode(z, audio=torch.randn(6, spec.n_mels), listen=torch.rand(4, codec.listen_features)).int()
     assert (seeded - base.decode(z).int()).abs().max() <= 1
     assert torch.equal(seeded, codec.decode(z, audio=torch.randn(6, spec.n_mels)).int())
+
+
+def test_a_per_frame_mouth_adds_each_frames_departure_from_the_group_mean():
+    codec = audio_codec(mouth_dims=2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        basis = codec.decoder.mouth.basis[0].weight
+        basis.copy_(0.1 * torch.randn(basis.shape, generator=g))
+    z, rows = torch.randn(1, TINY.latent_channels, *TINY.latent_grid), torch.randn(1, 6, TINY.n_mels)
+    held = torch.full((1, 4, 2), 0.3)
+    moving = torch.tensor([[[0.0, 0.5], [0.2, 0.5], [0.6, 0.3], [0.2, 0.7]]])
+    with torch.no_grad():
+        base, moved = codec.decode_frames(z, rows, mouth=held), codec.decode_frames(z, rows, mouth=moving)
+        change = moved - base
+        assert change.abs().max() > 1e-3 and (change[:, 0] - change[:, 2]).abs().max() > 1e-3
+        assert change.sum(1).abs().max() < 1e-5  # the group's mean picture is the latent's
+        # a mouth held over the group draws nothing: the same as a decoder whose basis is zero
+        codec.decoder.mouth.basis[0].weight.zero_()
+        assert torch.allclose(codec.decode_frames(z, rows, mouth=moving), base, atol=1e-6)
+        # without mouths given, the ones the audio predicts
+        assert torch.equal(codec.decode_frames(z, rows), codec.decode_frames(z, rows, mouth=codec.decoder.mouth(rows)))
+    with pytest.raises(ValueError, match=r"mouths must be \(1, 4, 2\)"):
+        codec.decode_frames(z, rows, mouth=torch.zeros(1, 4, 3))
+    with pytest.raises(ValueError, match="needs an audio decoder"):
+        codec_config(TINY, mouth_dims=2)
+    assert "mouth_dims" not in codec_config(DEMO, audio=True).to_dict()  # checkpoints without one load as before
+
+
+def test_an_audio_decoder_that_gains_a_mouth_decodes_as_before():
+    from training.train import audio_decoder_from
+
+    listening = audio_codec(listen_features=3)
+    codec = audio_decoder_from(listening, TINY, listen_features=3, mouth_dims=2)
+    assert codec.cfg == replace(listening.cfg, mouth_dims=2)
+    z, rows, heard = torch.randn(TINY.latent_channels, *TINY.latent_grid), torch.randn(6, TINY.n_mels), torch.rand(4, 3)
+    assert torch.equal(codec.decode(z, audio=rows, listen=heard), listening.decode(z, audio=rows, listen=heard))
+    with pytest.raises(ValueError, match="start from the audio-free codec"):
+        audio_decoder_from(codec, TINY, listen_features=3)  # a layer it has is not dropped
 
 
 def test_an_audio_codec_checkpoint_loads_as_one(tmp_path):

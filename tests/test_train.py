@@ -230,8 +230,10 @@ def test_codec_audio_fine_tunes_a_decoder_that_reads_audio(tmp_path, capsys):
     """`codec-audio` on the tiny spec: from a codec (here untrained), the encoder frozen (the same latents), the
     loss on a fixed batch goes down from the init, the saved file (with its sha256) loads as an audio codec and
     decodes with audio, and a rerun with the same seed writes the same file."""
+    import torch.nn.functional as F
+
     from engine.checkpoint import sha256_of
-    from training.train import FrameSampler, audio_decoder_from, codec_loss, corpus_tracks, face_weights
+    from training.train import MOUTH_STATE, FrameSampler, audio_decoder_from, codec_loss, corpus_tracks, face_weights
 
     torch.set_num_threads(max(torch.get_num_threads(), 2))
     corpus = tmp_path / "speech.npz"
@@ -260,11 +262,14 @@ def test_codec_audio_fine_tunes_a_decoder_that_reads_audio(tmp_path, capsys):
     weights = face_weights(looks, states, TINY.image_size)
     with torch.no_grad():
         torch.manual_seed(0)
-        before = codec_loss(audio_decoder_from(base, TINY, listen_features=3), frames, weights, 0.0, rows, 1.0,
-                            heard, source)[0].item()
+        seeded = audio_decoder_from(base, TINY, listen_features=3, mouth_dims=2)
+        before = codec_loss(seeded, frames, weights, 0.0, rows, 1.0, heard, source, states)[0].item()
         torch.manual_seed(0)
-        after = codec_loss(tuned, frames, weights, 0.0, rows, 1.0, heard, source)[0].item()
+        after = codec_loss(tuned, frames, weights, 0.0, rows, 1.0, heard, source, states)[0].item()
+        mouths = states[..., MOUTH_STATE]
+        guessed = [F.mse_loss(c.decoder.mouth(rows), mouths).item() for c in (seeded, tuned)]
     assert after < 0.8 * before, (before, after)
+    assert tuned.cfg.mouth_dims == 2 and guessed[1] < 0.5 * guessed[0], guessed  # each frame's mouth from its audio
     z = tuned.encode_reference(image)
     assert tuned.decode(z, audio=rows[0]).shape == tuned.decode(z, audio=rows[0], listen=heard[0]).shape == (4, 32, 32, 3)
     with torch.no_grad():  # the audio counts, and so does the user's voice

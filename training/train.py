@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -481,22 +481,39 @@ def face_weights(looks: torch.Tensor, states: torch.Tensor, size: tuple[int, int
 
 def codec_loss(codec: TrainedCodec, frames: torch.Tensor, weights: torch.Tensor, latent_noise: float,
                audio: torch.Tensor | None = None, motion_weight: float = 0.0, listen: torch.Tensor | None = None,
-               source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               source: torch.Tensor | None = None, states: torch.Tensor | None = None,
+               departure_weight: float = 100.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted L1 + edge loss of the round trip, latents jittered so the decoder tolerates DiT error. An audio
     decoder reads `audio` (each frame's log-mel rows); with `motion_weight`, the frame-to-frame change inside the
     group against the renderer's, under the same face weights, is added: the motion a group's 4 frames must
-    show. A frozen encoder (no parameter needing a gradient) is run without one."""
+    show. A decoder with a per-frame mouth draws the true mouths of `states` (B, 4, STATE_SIZE); each frame's
+    departure from its group's mean picture against the renderer's, squared under the face weights, is added
+    with `departure_weight` (the L1 terms' gradients are signs, mostly of the larger error of the whole picture,
+    and do not draw so small a change), and so is the squared error of its mouths predicted from the audio. A
+    frozen encoder (no parameter needing a gradient) is run without one."""
     with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in codec.encoder.parameters())):
         z = codec.encode_frames(frames if source is None else source)  # (B, C, h, w)
     sigma = torch.rand(z.shape[0], 1, 1, 1, device=z.device) * latent_noise
-    out = codec.decode_frames(z + sigma * torch.randn_like(z), audio, listen).float()  # (B, 4, 3, H, W)
+    mouth = None
+    if codec.cfg.mouth_dims:
+        if states is None:
+            raise ValueError("a decoder with a per-frame mouth trains on the frames' states")
+        mouth = states[..., MOUTH_STATE][..., :codec.cfg.mouth_dims].to(z.dtype)
+    out = codec.decode_frames(z + sigma * torch.randn_like(z), audio, listen, mouth).float()  # (B, 4, 3, H, W)
     err = (out - frames).abs() * weights
     edge = sum(((torch.diff(out, dim=d) - torch.diff(frames, dim=d)).abs()).mean() for d in (-1, -2))
     mse = F.mse_loss(out.detach().clamp(0, 1), frames)
     loss = err.mean() + 0.5 * edge
     if motion_weight:
         loss = loss + motion_weight * ((torch.diff(out, dim=1) - torch.diff(frames, dim=1)).abs() * weights[:, 1:]).mean()
+    if mouth is not None:
+        departure = (out - out.mean(1, keepdim=True)) - (frames - frames.mean(1, keepdim=True))
+        loss = loss + departure_weight * (departure.square() * weights).mean()
+        loss = loss + F.mse_loss(codec.decoder.mouth(audio.to(z.dtype)).float(), mouth.float())
     return loss, mse
+
+
+MOUTH_STATE = slice(ch.S["open"], ch.S["round"] + 1)  # the mouth an audio decoder's FrameMouth draws
 
 
 def codec_update(phase: str, codec: TrainedCodec, opt: torch.optim.Optimizer, ema: EMA, params: list[torch.Tensor],
@@ -581,19 +598,22 @@ def codec_psnr(codec: TrainedCodec, frames: torch.Tensor, audio: torch.Tensor | 
 
 
 # The audio-conditioned decoder --------------------------------------------------------------------------
-AUDIO_LAYERS = ("audio.", "film.", "frame_", "listen.")  # the decoder's layers an audio decoder adds (names under it)
+AUDIO_LAYERS = ("audio.", "film.", "frame_", "listen.", "mouth.")  # the decoder's layers an audio decoder adds (names under it)
 
 
 def audio_decoder_from(base: TrainedCodec, spec: ModelSpec, *, seed: int = 0, **audio: int) -> TrainedCodec:
-    """A codec whose decoder reads audio, built on `base`: its encoder and decoder weights copied, the new audio
-    layers zero at their outputs, so it decodes exactly as `base` until trained. A base that already reads audio
-    is copied as it is (training continues from it) when it has the asked-for listening stream."""
+    """A codec whose decoder reads audio, built on `base`: its encoder and decoder weights copied, the audio layers
+    it lacks zero at their outputs, so it decodes exactly as `base` until trained. A base that reads audio keeps
+    its audio layers (training continues from them); it may gain a per-frame mouth, but not lose or change a
+    layer it has."""
     cfg = codec_config(spec, audio=True, **audio)
     if base.cfg.audio_mels:
-        if base.cfg.listen_features != cfg.listen_features:
-            raise ValueError(f"codec {base.cfg.name} reads audio with listen_features={base.cfg.listen_features}; to "
-                             f"train one with {cfg.listen_features}, start from the audio-free codec")
-        return copy.deepcopy(base)
+        kept = {k: getattr(base.cfg, k) for k in ("audio_context", "audio_embed", "listen_embed")}
+        if base.cfg.listen_features != cfg.listen_features or base.cfg.mouth_dims > cfg.mouth_dims:
+            raise ValueError(f"codec {base.cfg.name} reads audio with listen_features={base.cfg.listen_features}, "
+                             f"mouth_dims={base.cfg.mouth_dims}; to train one with {cfg.listen_features}, "
+                             f"{cfg.mouth_dims}, start from the audio-free codec")
+        cfg = replace(cfg, **kept)
     codec = build_codec(spec, seed=seed, cfg=cfg)
     missing, unexpected = codec.load_state_dict(base.state_dict(), strict=False)
     if unexpected or any(not k.startswith(tuple(f"decoder.{layer}" for layer in AUDIO_LAYERS)) for k in missing):
@@ -605,25 +625,33 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
                         work: Path, batch: int = 32, lr: float = 1e-4, new_lr: float = 1e-3, seed: int = 0,
                         save_every: float = 120.0, resume: bool = False, latent_noise: float = 0.15,
                         motion_weight: float = 1.0, audio_context: int | None = None, audio_embed: int | None = None,
-                        listen: bool = True, max_steps: int | None = None, deadline: float | None = None) -> TrainedCodec:
+                        listen: bool = True, mouth: bool = True, new_layers_only: bool = False,
+                        max_steps: int | None = None, deadline: float | None = None) -> TrainedCodec:
     """Fine-tune an audio-conditioned decoder from the codec at `init` with its encoder frozen, so the latents, and
     the DiT trained on them, stay valid; save the EMA weights to `out` (with its .sha256). The learning rate
     follows the wall-clock budget, or the steps when `max_steps` is given (then a run is reproducible from its
     seed); the new audio layers learn at `new_lr`. With `listen` the decoder also reads the user's voice
-    (engine.listen) and learns the listening motion from frames that show it. Raises Paused at the deadline."""
+    (engine.listen) and learns the listening motion from frames that show it; with `mouth`, each frame's mouth
+    (engine.codec.FrameMouth). `new_layers_only` trains only the layers `init` lacks, the rest frozen. Raises
+    Paused at the deadline."""
     state_path = work / f"{spec.name}-codec-audio-state.pt"
     torch.manual_seed(seed)
     base = load_codec(spec, init).to(device)
     audio = {k: v for k, v in (("audio_context", audio_context), ("audio_embed", audio_embed)) if v is not None}
     audio["listen_features"] = LISTEN_FEATURES if listen else 0
+    audio["mouth_dims"] = MOUTH_STATE.stop - MOUTH_STATE.start if mouth else 0
     codec = audio_decoder_from(base, spec, seed=seed, **audio).to(device)
+    inherited = set(base.state_dict())
     del base
     if device.type == "cuda":
         codec = codec.to(memory_format=torch.channels_last)
     codec.encoder.requires_grad_(False).eval()  # eval: its BatchNorm keeps the statistics the latents were made with
     codec.decoder.train()
-    new = [p for name, p in codec.decoder.named_parameters() if name.startswith(AUDIO_LAYERS)]
-    old = [p for name, p in codec.decoder.named_parameters() if not name.startswith(AUDIO_LAYERS)]
+    if new_layers_only:
+        for name, p in codec.decoder.named_parameters():
+            p.requires_grad_(f"decoder.{name}" not in inherited)
+    new = [p for name, p in codec.decoder.named_parameters() if name.startswith(AUDIO_LAYERS) and p.requires_grad]
+    old = [p for name, p in codec.decoder.named_parameters() if not name.startswith(AUDIO_LAYERS) and p.requires_grad]
     opt = torch.optim.AdamW([{"params": old, "base": lr}, {"params": new, "base": new_lr}], lr=lr, betas=(0.9, 0.99),
                             weight_decay=1e-4)
     ema = EMA(codec, 0.998)
@@ -633,7 +661,8 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
     clock, last_save = Clock(minutes, elapsed, deadline), time.perf_counter()
     log(phase="codec-audio", event="start", init=str(init), audio_params=sum(p.numel() for p in new),
         decoder_params=sum(p.numel() for p in codec.decoder.parameters()), audio_mels=codec.cfg.audio_mels,
-        audio_context=context, listen_features=codec.cfg.listen_features, batch=batch, device=str(device))
+        audio_context=context, listen_features=codec.cfg.listen_features, mouth_dims=codec.cfg.mouth_dims,
+        trained_params=sum(p.numel() for p in old + new), batch=batch, device=str(device))
 
     def save(done: bool) -> None:
         _save_state(state_path, model=codec.state_dict(), ema=ema.module.state_dict(), opt=opt.state_dict(),
@@ -655,7 +684,7 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
         for group in opt.param_groups:
             group["lr"] = lr_at(group["base"], step, frac(), warmup)
         with autocast(device):
-            loss, mse = codec_loss(codec, frames, weights, latent_noise, rows, motion_weight, heard, source)
+            loss, mse = codec_loss(codec, frames, weights, latent_noise, rows, motion_weight, heard, source, states)
         codec_update("codec-audio", codec, opt, ema, old + new, loss, mse, step, clock)
         step += 1
         if time.perf_counter() - last_save > save_every:
@@ -1073,6 +1102,9 @@ def main(argv: list[str] | None = None) -> int:
     au.add_argument("--audio-context", type=int, default=None, help="audio frames either side of each frame (default 1)")
     au.add_argument("--audio-embed", type=int, default=None, help="width of one frame's audio embedding (default 32)")
     au.add_argument("--no-listen", action="store_true", help="no listening stream (the user's voice) in the decoder")
+    au.add_argument("--no-mouth", action="store_true", help="no per-frame mouth (engine.codec.FrameMouth) in the decoder")
+    au.add_argument("--new-layers-only", action="store_true",
+                    help="train only the layers the --init codec lacks, the rest frozen (a few minutes on a CPU)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "corpus":
@@ -1102,7 +1134,8 @@ def main(argv: list[str] | None = None) -> int:
                                 minutes=args.minutes, out=Path(args.out) if args.out else codec_path(spec, assets),
                                 batch=args.batch, lr=args.lr, new_lr=args.new_lr, latent_noise=args.latent_noise,
                                 motion_weight=args.motion_weight, audio_context=args.audio_context,
-                                audio_embed=args.audio_embed, listen=not args.no_listen, device=device, work=work,
+                                audio_embed=args.audio_embed, listen=not args.no_listen, mouth=not args.no_mouth,
+                                new_layers_only=args.new_layers_only, device=device, work=work,
                                 seed=args.seed,
                                 save_every=args.save_every, resume=args.resume, max_steps=args.max_steps,
                                 deadline=deadline)
