@@ -35,7 +35,7 @@ silence (zeros) leave the picture as the speech alone makes it.
 
 With `mouth_dims` > 0 the audio decoder also predicts each frame's mouth (opening, roundness)
 from its rows and adds a learnt per-pixel change for each frame's departure from the group's
-mean (`FrameMouth`): the lips move at 24 Hz, not at the latent's 6.
+mean mouth (`FrameMouth`): the lips move at 24 Hz, not at the latent's 6.
 """
 
 from __future__ import annotations
@@ -283,19 +283,21 @@ class FiLM(nn.Module):
 
 
 class FrameMouth(nn.Module):
-    """Each frame's mouth (opening, roundness) read from its audio rows, and a per-pixel basis, drawn from the
-    decoder's last features, for a change of each: frame f gets sum_k (m_fk - mean over the group of m_k) *
-    basis_k added. The latent holds the group's mean mouth; this draws each frame's departure from it, so the
-    mouth moves at 24 Hz. The mouth follows a frame's sound and its neighbours' (the renderer's rule), so it is
-    learnt from the rendered states directly; the basis is linear in the change, which holds while the lips move
-    by a pixel or two a frame. The basis starts at zero: a decoder that gains it decodes as before."""
+    """Each frame's mouth (opening, roundness) read from its audio rows, and per-pixel bases, drawn from the
+    decoder's last features, for its departure from the group's mean mouth: frame f gets
+    sum_k relu(d_fk) * opening_k + relu(-d_fk) * closing_k added, d_fk = m_fk - mean over the group of m_k.
+    The latent holds the group's mean mouth; this draws each frame's departure from it, so the mouth moves at
+    24 Hz. Opening and closing draw different pixels (the interior shows or hides), hence a basis for each
+    sign; each is linear in the departure, which holds while the lips move a pixel or two a frame. The mouth
+    follows a frame's sound and its neighbours' (the renderer's rule), so it is learnt from the rendered states
+    directly. The bases start at zero: a decoder that gains them decodes as before."""
 
     def __init__(self, cfg: CodecConfig, channels: int):
         super().__init__()
         self.span, self.dims = 2 * cfg.audio_context + 1, cfg.mouth_dims
         self.predict = nn.Sequential(nn.Linear(self.span * cfg.audio_mels, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(),
                                      nn.Linear(64, cfg.mouth_dims))
-        self.basis = nn.Sequential(nn.Conv2d(channels, 4 * 3 * cfg.mouth_dims, 3, padding=1), nn.PixelShuffle(2))
+        self.basis = nn.Sequential(nn.Conv2d(channels, 4 * 3 * 2 * cfg.mouth_dims, 3, padding=1), nn.PixelShuffle(2))
         nn.init.zeros_(self.basis[0].weight)
         nn.init.zeros_(self.basis[0].bias)
 
@@ -305,9 +307,10 @@ class FrameMouth(nn.Module):
 
     def draw(self, features: torch.Tensor, mouth: torch.Tensor) -> torch.Tensor:
         """Features (B, C, H/2, W/2) and the frames' mouths (B, 4, dims) -> each frame's change (B, 4, 3, H, W)."""
-        basis = self.basis(features).unflatten(1, (self.dims, 3))  # (B, dims, 3, H, W)
-        change = mouth - mouth.mean(1, keepdim=True)
-        return torch.einsum("bfk,bkchw->bfchw", change.to(basis.dtype), basis)
+        basis = self.basis(features).unflatten(1, (2 * self.dims, 3))  # (B, 2 dims, 3, H, W)
+        departure = mouth - mouth.mean(1, keepdim=True)
+        signed = torch.cat([departure.clamp(min=0), (-departure).clamp(min=0)], -1)  # (B, 4, 2 dims)
+        return torch.einsum("bfk,bkchw->bfchw", signed.to(basis.dtype), basis)
 
 
 class Decoder(nn.Module):

@@ -226,6 +226,30 @@ def test_all_puts_its_codec_in_assets_only_with_its_dit(tmp_path, capsys, monkey
     assert trained and type(codec).__name__ == "TrainedCodec"
 
 
+def test_codec_audio_new_layers_only_trains_the_mouth_and_nothing_else(tmp_path, capsys):
+    """From a listening decoder, `--new-layers-only` trains the per-frame mouth it gains and leaves every other
+    weight as it was; from one that has the mouth already there is nothing to train, and it says so."""
+    from engine.codec import codec_config
+
+    corpus = tmp_path / "speech.npz"
+    assert main(["corpus", "--out", str(corpus), "--minutes", "0.1", "--source", "synth"]) == 0
+    init = tmp_path / "init" / "tiny-codec.pt"
+    init.parent.mkdir()
+    save_codec(build_codec(TINY, seed=3, cfg=codec_config(TINY, audio=True, listen_features=3)), init)
+    argv = ["codec-audio", "--spec", "tiny", "--corpus", str(corpus), "--device", "cpu", "--batch", "4",
+            "--max-steps", "3", "--new-layers-only", "--work", str(tmp_path / "w")]
+    out = tmp_path / "out" / "tiny-codec.pt"
+    assert main([*argv, "--init", str(init), "--out", str(out)]) == 0
+    before, after = load_codec(TINY, init).state_dict(), load_codec(TINY, out).state_dict()
+    gained = [k for k in after if k not in before]
+    assert gained and all(k.startswith("decoder.mouth.") for k in gained)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert any(after[k].abs().sum() > 0 for k in gained if k.endswith("basis.0.weight"))
+    capsys.readouterr()
+    assert main([*argv, "--init", str(out), "--out", str(tmp_path / "again" / "tiny-codec.pt")]) == 2
+    assert "nothing new to train" in capsys.readouterr().err
+
+
 def test_codec_audio_fine_tunes_a_decoder_that_reads_audio(tmp_path, capsys):
     """`codec-audio` on the tiny spec: from a codec (here untrained), the encoder frozen (the same latents), the
     loss on a fixed batch goes down from the init, the saved file (with its sha256) loads as an audio codec and

@@ -650,6 +650,8 @@ def train_audio_decoder(spec: ModelSpec, tracks: Tracks, *, init: Path, minutes:
     if new_layers_only:
         for name, p in codec.decoder.named_parameters():
             p.requires_grad_(f"decoder.{name}" not in inherited)
+        if not any(p.requires_grad for p in codec.decoder.parameters()):
+            raise ValueError(f"--new-layers-only: the codec {init} already has every layer asked for; nothing new to train")
     new = [p for name, p in codec.decoder.named_parameters() if name.startswith(AUDIO_LAYERS) and p.requires_grad]
     old = [p for name, p in codec.decoder.named_parameters() if not name.startswith(AUDIO_LAYERS) and p.requires_grad]
     opt = torch.optim.AdamW([{"params": old, "base": lr}, {"params": new, "base": new_lr}], lr=lr, betas=(0.9, 0.99),
