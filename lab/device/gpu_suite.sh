@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash lab/device/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|attention-fa3|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app]...
+#   bash lab/device/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|attention-fa3|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app|character]...
 # soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
 # two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1; compare-x2:
 # the tensor-parallel and fused all-reduce paths against the rerun band).
@@ -9,7 +9,7 @@
 # soak-collect, in the next call on the same machine, waits for it and copies its report to $OUT.
 set -uo pipefail
 parts=${*:-all}
-known=" tests attention attention-ncu attention-ncu-source attention-cudnn attention-fa3 step cache pipeline all allreduce x2 session2 soak soak-start soak-collect compare compare-x2 app "
+known=" tests attention attention-ncu attention-ncu-source attention-cudnn attention-fa3 step cache pipeline all allreduce x2 session2 soak soak-start soak-collect compare compare-x2 app character "
 for part in $parts; do  # a misspelt part would otherwise run nothing and exit 0
   [[ $known == *" $part "* ]] || { echo "gpu_suite.sh: unknown part '$part'; parts:$known" >&2; exit 2; }
 done
@@ -62,6 +62,25 @@ for part in $parts; do
   if [[ $part == soak ]]; then  # the serving path in real time, scripted turns; SOAK_SECONDS (default 600)
     run python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-600}" --trace "$OUT/soak_trace.jsonl" --json \
       > "$OUT/soak_demo.json" && python3 -c "import json;r=json.load(open('$OUT/soak_demo.json'));print({k:v for k,v in r.items() if not isinstance(v,(list,dict))})"
+  fi
+  if [[ $part == character ]]; then  # the shipped characters on this GPU: lip sync and per-frame motion (5 clips of
+    # data/eval.wav), listening; then the step with the shipped decoder and with it less its per-frame mouth (the
+    # decoder before it: every other weight is the same), in turns, in this one call
+    for spec in demo demo-cpu; do
+      run python3 -m lab.quality lipsync --spec $spec --audio data/eval.wav --device cuda --clips 5 --json > "$OUT/lipsync_${spec}_h200.json"
+    done
+    run python3 -m lab.quality listen --spec demo --audio data/eval.wav --device cuda --json > "$OUT/listen_demo_h200.json"
+    before=$(mktemp -d) && cp assets/demo.pt assets/demo.pt.sha256 "$before/" && python3 -c "
+import sys; from dataclasses import replace; from engine.codec import build_codec, load_codec, save_codec; from engine.config import get_spec
+spec = get_spec('demo'); shipped = load_codec(spec, 'assets/demo-codec.pt')
+codec = build_codec(spec, cfg=replace(shipped.cfg, mouth_dims=0))
+codec.load_state_dict({k: v for k, v in shipped.state_dict().items() if not k.startswith('decoder.mouth.')})
+save_codec(codec, sys.argv[1])" "$before/demo-codec.pt" || exit 1
+    for turn in 1 2; do
+      run python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-60}" --json > "$OUT/soak_demo_mouth_$turn.json"
+      run python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-60}" --weights "$before/demo.pt" --json \
+        > "$OUT/soak_demo_before_$turn.json"
+    done
   fi
   if [[ $part == x2 ]]; then  # two GPUs: correctness, the step with communication, the fused all-reduce, the decoder's own GPU
     run python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemm_allreduce.py tests/test_distributed.py -k "two_gpus or one_rank" \
