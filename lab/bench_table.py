@@ -257,16 +257,12 @@ COMMANDS = {
     "soak_demo_h200_120s.json": "python -m lab.soak --spec demo --config cuda-graph --seconds 120 --json",
     "drift_demo_h200.json": "python -m lab.quality drift --spec demo --minutes 10 --json",
     "lipsync_demo_h200_listen.json": LIPSYNC_CMD.format("demo", "cuda"),
-    "lipsync_demo_cpu_listen.json": LIPSYNC_CMD.format("demo", "cpu"),
     "lipsync_demo-cpu_h200_listen.json": LIPSYNC_CMD.format("demo-cpu", "cuda"),
-    "lipsync_demo-cpu_cpu_listen.json": LIPSYNC_CMD.format("demo-cpu", "cpu"),
     "lipsync_demo_cpu_mouth.json": LIPSYNC_CMD.format("demo", "cpu"),
     "lipsync_demo-cpu_cpu_mouth.json": LIPSYNC_CMD.format("demo-cpu", "cpu"),
     "listen_demo-cpu_cpu_mouth.json": "python -m lab.quality listen --spec demo-cpu --audio data/eval.wav --device cpu "
                                       "--sheet docs/listen_demo-cpu.png --json",
     "listen_demo_h200.json": "python -m lab.quality listen --spec demo --audio data/eval.wav --device cuda --json",
-    "listen_demo-cpu_cpu.json": "python -m lab.quality listen --spec demo-cpu --audio data/eval.wav --device cpu "
-                                "--sheet docs/listen_demo-cpu.png --json",
     "turn_bench_cpu_asks.json": "python -m lab.turn_bench --json --mode smart_turn",
     "voice_bench_llm_cpu_lead_3.json": "python -m lab.voice_bench --json --utterances 10",
     "voice_bench_llm_cpu_05b.json": "python -m lab.voice_bench --json --utterances 10 --llm qwen2.5-0.5b",
