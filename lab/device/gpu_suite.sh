@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine with torch + triton (no install needed): the GPU tests, then the GPU
 # benchmarks. Results go to $OUT (default ./out): gpu.txt, pytest_gpu.txt, *.json.
-#   bash lab/device/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|attention-fa3|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app|character]...
+#   bash lab/device/gpu_suite.sh [tests|attention|attention-ncu|attention-ncu-source|attention-cudnn|attention-fa3|step|cache|pipeline|all|allreduce|x2|session2|soak|soak-start|soak-collect|compare|compare-x2|app|character|step-move]...
 # soak and compare (the demo character's reliability and numerics verdicts) run only when named; so do the
 # two-GPU parts (x2: tests and benchmarks; session2: a demo session with the decoder on GPU 1; compare-x2:
 # the tensor-parallel and fused all-reduce paths against the rerun band).
@@ -9,7 +9,7 @@
 # soak-collect, in the next call on the same machine, waits for it and copies its report to $OUT.
 set -uo pipefail
 parts=${*:-all}
-known=" tests attention attention-ncu attention-ncu-source attention-cudnn attention-fa3 step cache pipeline all allreduce x2 session2 soak soak-start soak-collect compare compare-x2 app character "
+known=" tests attention attention-ncu attention-ncu-source attention-cudnn attention-fa3 step cache pipeline all allreduce x2 session2 soak soak-start soak-collect compare compare-x2 app character step-move "
 for part in $parts; do  # a misspelt part would otherwise run nothing and exit 0
   [[ $known == *" $part "* ]] || { echo "gpu_suite.sh: unknown part '$part'; parts:$known" >&2; exit 2; }
 done
@@ -80,6 +80,15 @@ save_codec(codec, sys.argv[1])" "$before/demo-codec.pt" || exit 1
       run python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-60}" --json > "$OUT/soak_demo_mouth_$turn.json"
       run python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-60}" --weights "$before/demo.pt" --json \
         > "$OUT/soak_demo_before_$turn.json"
+    done
+  fi
+  if [[ $part == step-move ]]; then  # the 57b rank step of this tree and of the tree before engine/'s structure move,
+    # in turns, in one call; BEFORE_TAR: `git archive 22f459a engine tools | gzip > data/before-move.tar.gz`, carried
+    before=$(mktemp -d) && tar -xzf "${BEFORE_TAR:?step-move needs BEFORE_TAR}" -C "$before" || exit 1
+    for turn in 1 2; do
+      run python3 -m lab.bench step --spec characters-57b --tp-shard 3 --json > "$OUT/step_57b_tp3_now_$turn.json"
+      (cd "$before" && PYTHONPATH="$before" run python3 -m engine.bench step --spec characters-57b --tp-shard 3 --json) \
+        > "$OUT/step_57b_tp3_before_$turn.json"
     done
   fi
   if [[ $part == x2 ]]; then  # two GPUs: correctness, the step with communication, the fused all-reduce, the decoder's own GPU
