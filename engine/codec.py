@@ -252,6 +252,12 @@ class Encoder(nn.Module):
         return self.norm(self.out(x))
 
 
+def frame_windows(audio: torch.Tensor, span: int) -> torch.Tensor:
+    """Audio rows (B, 4 + span - 1, mels) -> each decoded frame's window (B, 4, span * mels): frame j reads rows
+    j .. j + span - 1, its own row and audio_context either side."""
+    return audio.unfold(1, span, 1).flatten(2)
+
+
 class AudioEmbed(nn.Module):
     """Each decoded frame's audio rows (its own and `audio_context` either side) -> an embedding; the 4 frames'
     embeddings condition the decoder: (B, 4 + 2 ctx, mels) -> (B, 4, embed)."""
@@ -263,8 +269,7 @@ class AudioEmbed(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.span * cfg.audio_mels, e), nn.SiLU(), nn.Linear(e, e), nn.SiLU())
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
-        frames = audio.unfold(1, self.span, 1).flatten(2)  # (B, 4, mels * span): frame j reads rows j .. j + 2 ctx
-        return self.mlp(frames)  # (B, 4, embed)
+        return self.mlp(frame_windows(audio, self.span))  # (B, 4, embed)
 
 
 class FiLM(nn.Module):
@@ -303,7 +308,7 @@ class FrameMouth(nn.Module):
 
     def forward(self, audio: torch.Tensor) -> torch.Tensor:
         """(B, 4 + 2 ctx, mels) -> each frame's mouth (B, 4, dims)."""
-        return self.predict(audio.unfold(1, self.span, 1).flatten(2))
+        return self.predict(frame_windows(audio, self.span))
 
     def draw(self, features: torch.Tensor, mouth: torch.Tensor) -> torch.Tensor:
         """Features (B, C, H/2, W/2) and the frames' mouths (B, 4, dims) -> each frame's change (B, 4, 3, H, W)."""

@@ -479,6 +479,9 @@ def face_weights(looks: torch.Tensor, states: torch.Tensor, size: tuple[int, int
     return (1.0 + 4.0 * mouth + 2.0 * eyes).unsqueeze(2)
 
 
+MOUTH_STATE = slice(ch.S["open"], ch.S["round"] + 1)  # the mouth an audio decoder's FrameMouth draws
+
+
 def codec_loss(codec: TrainedCodec, frames: torch.Tensor, weights: torch.Tensor, latent_noise: float,
                audio: torch.Tensor | None = None, motion_weight: float = 0.0, listen: torch.Tensor | None = None,
                source: torch.Tensor | None = None, states: torch.Tensor | None = None,
@@ -511,9 +514,6 @@ def codec_loss(codec: TrainedCodec, frames: torch.Tensor, weights: torch.Tensor,
         loss = loss + departure_weight * (departure.square() * weights).mean()
         loss = loss + F.mse_loss(codec.decoder.mouth(audio.to(z.dtype)).float(), mouth.float())
     return loss, mse
-
-
-MOUTH_STATE = slice(ch.S["open"], ch.S["round"] + 1)  # the mouth an audio decoder's FrameMouth draws
 
 
 def codec_update(phase: str, codec: TrainedCodec, opt: torch.optim.Optimizer, ema: EMA, params: list[torch.Tensor],
@@ -1106,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
     au.add_argument("--no-listen", action="store_true", help="no listening stream (the user's voice) in the decoder")
     au.add_argument("--no-mouth", action="store_true", help="no per-frame mouth (engine.codec.FrameMouth) in the decoder")
     au.add_argument("--new-layers-only", action="store_true",
-                    help="train only the layers the --init codec lacks, the rest frozen (a few minutes on a CPU)")
+                    help="train only the layers the --init codec lacks, the rest frozen (fast enough for a CPU)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "corpus":
