@@ -40,6 +40,10 @@ class AppConfig:
     gpus: str | None = setting(None, "placement: diffusion GPUs, one process each, e.g. 0,1,2")
     decoder_gpu: str | None = setting(None, "placement: GPU(s) that only decode, e.g. 3")
     tp: int | None = setting(None, "placement without GPUs: tensor-parallel degree in CPU processes")
+    engine_threads: int | None = setting(None, "engine in this process on the CPU: its threads (default: half the "
+                                               "cores, at least 1; the voice models and the browser use the rest)")
+    engine_dtype: str = setting("auto", "the engine's numbers: auto (bfloat16 on a GPU, and on a CPU with bf16 matrix "
+                                        "instructions, AVX512-BF16 or AMX; else float32), float32 or bfloat16")
     max_lead: int = setting(7, "playout buffer: the most frames the engine may run ahead")
     adaptive_lead: bool = setting(True, "keep only the lead the engine's recent steps need (engine/playout.py)")
     hold_when_late: bool = setting(True, "when the engine falls below real time, the voice keeps the clock and the "
@@ -106,6 +110,8 @@ class AppConfig:
             (1 <= self.prebuffer <= self.max_lead, f"need 1 <= prebuffer <= max_lead, got {self.prebuffer}, {self.max_lead}"),
             (self.tp is None or self.tp >= 1, f"tp must be >= 1, got {self.tp}"),
             (self.llm_threads is None or self.llm_threads >= 1, f"llm_threads must be >= 1, got {self.llm_threads}"),
+            (self.engine_threads is None or self.engine_threads >= 1,
+             f"engine_threads must be >= 1, got {self.engine_threads}"),
             (0.0 < self.vad_threshold < 1.0, f"vad_threshold must be between 0 and 1, got {self.vad_threshold}"),
             (self.min_silence_ms > 0 and self.preroll_ms >= 0, "min_silence_ms must be > 0 and preroll_ms >= 0"),
             (self.client_interruption_ms >= 0, f"client_interruption_ms must be >= 0, got {self.client_interruption_ms}"),
@@ -129,6 +135,7 @@ class AppConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
+    "engine_dtype": ("auto", "float32", "bfloat16"),
     "transport": ("webrtc", "hls"),
     "audio_input": ("browser", "local"),
     "agent": ("local", "openai"),

@@ -9,6 +9,7 @@ spare engine is started ahead so the next session does not wait for weights to l
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import replace
@@ -20,7 +21,7 @@ from engine.build import Loaded, build_engine, load, plan_placement, start_proce
 from engine.codec import decode_step
 from engine.config import ModelSpec, get_spec
 from engine.distributed import DistributedEngine
-from engine.options import EngineOptions, new_session
+from engine.options import EngineOptions, cpu_has_bf16, new_session
 from engine.realtime import RealtimeCharacter
 from engine.session import pick_backend
 from engine.weights import default_weights, pick_device
@@ -43,11 +44,22 @@ def engine_options(config: AppConfig, device: torch.device) -> EngineOptions:
     elif c.gpus or c.decoder_gpu:
         raise ValueError("gpus / decoder_gpu need device cuda")
     own = gpus is not None or c.tp is not None
+    threads = None if device.type == "cuda" or own else c.engine_threads or default_engine_threads()
+    dtype = c.engine_dtype
+    if dtype == "auto" and device.type == "cpu" and cpu_has_bf16():
+        dtype = "bfloat16"
     return EngineOptions(name="app", spec=c.spec, weights=c.weights, device=c.device, gpus=gpus,
                          decoder_gpu=c.decoder_gpu, tp=c.tp or 1, processes=c.tp is not None,
-                         kv_dtype="fp8" if device.type == "cuda" or own else "fp32", cuda_graph=c.cuda_graph,
+                         kv_dtype="fp8" if device.type == "cuda" else "fp32", cuda_graph=c.cuda_graph,
                          prebuffer=c.prebuffer, max_lead=c.max_lead, adaptive_lead=c.adaptive_lead,
-                         hold_when_late=c.hold_when_late)
+                         hold_when_late=c.hold_when_late, threads=threads, dtype=dtype)
+
+
+def default_engine_threads() -> int:
+    """Half the cores, at least one: the engine's ops split over more threads each wait for the slowest, so
+    when speech recognition, the language model, speech synthesis and the browser take a core the step stalls
+    (docs/app.md, "Sharing the CPU")."""
+    return max(1, (os.cpu_count() or 2) // 2)
 
 
 AUTO = "auto"
@@ -144,7 +156,9 @@ class EngineHost:
     def placement_text(self) -> str:
         graph = ", CUDA graph" if self.cuda_graph else ""
         if self.placement is None:
-            return f"one process on {self.device}{graph}"
+            threads = f", {self.options.threads} thread(s)" if self.options.threads is not None else ""
+            dtype = f", {self.options.dtype}" if self.options.dtype != "auto" else ""
+            return f"one process on {self.device}{threads}{dtype}{graph}"
         p = self.placement
         where = f"GPUs {list(p.diffusion)}" if p.diffusion else f"{p.tp} CPU process(es)"
         return f"diffusion on {where}, decoders on {list(p.decoders) or 'the first diffusion device'}{graph}"

@@ -62,6 +62,15 @@ def _failures_html(failures: list[str]) -> str:
     return "".join(f'<p class="tl-failure">{html.escape(f)}</p>' for f in failures)
 
 
+def changed_only(now: tuple, sent: tuple | None) -> tuple:
+    """The panels' values, with gr.skip() for those the page already shows (`sent`: what it was last sent; None:
+    nothing yet). The page then re-renders only what changed: a transcript re-rendered twice a second costs
+    the browser CPU that the engine and the voice models share on a small machine."""
+    if sent is None:
+        return now
+    return tuple(gr.skip() if value == old else value for value, old in zip(now, sent))
+
+
 def build_ui(controller: Controller) -> gr.Blocks:
     config = controller.config
     webrtc = config.transport == "webrtc"
@@ -69,12 +78,13 @@ def build_ui(controller: Controller) -> gr.Blocks:
     spec = controller.host.spec if controller.host is not None else get_spec(AUTO_SPECS[0])
     segments = LiveSegments(controller, spec.fps)
 
-    def refresh():
+    def refresh(sent: tuple | None):
         shown = controller.shown()
         failures = controller.failures()
         failed = bool(shown is not None and shown.failure)
-        return (_messages(shown.transcript if shown else []), render_panel(shown.turn_records() if shown else []),
-                _health_html(controller.health()), _failures_html(failures), gr.update(visible=failed))
+        now = (_messages(shown.transcript if shown else []), render_panel(shown.turn_records() if shown else []),
+               _health_html(controller.health()), _failures_html(failures), gr.update(visible=failed))
+        return (*changed_only(now, sent), now)
 
     def start(preset: str, record: bool) -> str:
         try:
@@ -164,7 +174,9 @@ def build_ui(controller: Controller) -> gr.Blocks:
             replay_latency = gr.HTML(elem_id="tl-replay-latency")
 
         timer = gr.Timer(0.5)
-        timer.tick(refresh, outputs=[transcript, latency, health, failures, restart_btn], show_progress="hidden")
+        sent = gr.State(None)  # per page: the panels it was last sent
+        timer.tick(refresh, inputs=[sent], outputs=[transcript, latency, health, failures, restart_btn, sent],
+                   show_progress="hidden")
         if webrtc:
             # js runs first: Start, Restart and a switch take a ticket; once the server answered, the page connects to
             # the session it names, unless Stop or another click came in between (talkloop.js, afterStart)

@@ -26,7 +26,8 @@ from engine.character import reference_image
 from engine.config import ModelSpec
 from engine.distributed import DistributedEngine, Placement, _all_reduce
 from engine.model import CausalVideoDiT
-from engine.options import EngineOptions, apply_gemm_mode_, check_options, gpu_list, new_session, options_device
+from engine.options import (EngineOptions, apply_gemm_mode_, check_options, codec_dtype, gpu_list, model_dtype, new_session,
+                            options_device)
 from engine.parallel import apply_tensor_parallel
 from engine.playout import PlayoutBuffer
 from engine.realtime import RealtimeCharacter, RemoteSteps
@@ -90,6 +91,8 @@ def load(options: EngineOptions, spec: ModelSpec, placement: Placement | None) -
         _, codec, trained = load_engine(spec, weights=options.weights, seed=options.seed)
         return Loaded(None, codec, trained, torch.device("cpu"))
     device, close = options_device(options), _nothing
+    if device.type == "cpu" and options.threads is not None:
+        torch.set_num_threads(options.threads)  # for the whole process: its one engine's ops
     world = torchrun_world()
     if world > 1:  # launched by torchrun: this process is one rank
         if device.type == "cuda":
@@ -101,12 +104,12 @@ def load(options: EngineOptions, spec: ModelSpec, placement: Placement | None) -
         model, codec, trained = load_engine(spec, weights=options.weights, device="cpu", seed=options.seed)
         if world > 1:
             apply_tensor_parallel(model, dist.get_rank(), world, reduce=_all_reduce)
-        model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = model.to(device=device, dtype=model_dtype(options, device))
         apply_gemm_mode_(model, options.gemm, fuse=device.type == "cuda")
     except BaseException:
         close()
         raise
-    return Loaded(model, codec.to(device), trained, device, close)
+    return Loaded(model, codec.to(device=device, dtype=codec_dtype(options)), trained, device, close)
 
 
 def start_processes(options: EngineOptions, spec: ModelSpec, placement: Placement, *,

@@ -130,7 +130,7 @@ class StandInCodec(nn.Module):
 
     @torch.no_grad()
     def encode_reference(self, image: torch.Tensor) -> torch.Tensor:
-        x = check_image(image, self.spec).to(self.to_latent.device)
+        x = check_image(image, self.spec).to(self.to_latent)
         x = F.interpolate(x[None], size=self.spec.latent_grid, mode="area")[0]  # (3, h, w)
         return torch.einsum("cr,rhw->chw", self.to_latent, x * 2 - 1)
 

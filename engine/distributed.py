@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from engine.codec import decode_step
 from engine.config import ModelSpec, shard_spec
 from engine.kernels import GEMM_MODES
-from engine.options import EngineOptions, apply_gemm_mode_, new_session
+from engine.options import EngineOptions, apply_gemm_mode_, codec_dtype, model_dtype, new_session
 from engine.parallel import TensorParallelBlock, apply_tensor_parallel
 
 # Multicast can take a shared host's GPUs out of service; keep it off for every child process.
@@ -284,7 +284,7 @@ def _diffusion_worker(rank: int, placement: Placement, port: int, job: _Job, com
         options = job.options
         model, _, _ = load_engine(job.spec, weights=options.weights, device="cpu", seed=options.seed)
         apply_tensor_parallel(model, rank, placement.tp, reduce=_all_reduce)
-        model = model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = model.to(device=device, dtype=model_dtype(options, device))
         # Each rank quantises its own shard (per-channel scales of the columns it holds). The MLP branch stays
         # in line on tensor-parallel ranks (docs/kernels.md).
         apply_gemm_mode_(model, options.gemm, fuse=device.type == "cuda", branch_streams=False)
@@ -342,6 +342,7 @@ def _decoder_worker(slot: int, device_index: int | None, job: _Job, latents, out
         if device.type == "cpu":
             torch.set_num_threads(1)
         _, codec, _ = load_engine(job.spec, weights=job.options.weights, device=device, seed=job.options.seed)
+        codec = codec.to(dtype=codec_dtype(job.options))
         outbox.put(("ready", slot, None))
         decoded = 0
         while True:

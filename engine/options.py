@@ -32,6 +32,7 @@ from engine.weights import pick_device
 # attention_p: how the ws kernel writes P: auto as the ring serves it, or the P settings (exp2, row_sum) of one of the
 # kernel's named option sets, over the ring's served ones (engine/kernels/fp8_attention_ws.py)
 ATTENTION_P = ("auto", "nearest", "log-linear")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # auto: bfloat16 on CUDA, float32 on the CPU
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ class EngineOptions:
     max_lead: int = 7  # playout buffer: the most frames the engine may run ahead
     adaptive_lead: bool = False  # keep only the playout lead the engine's recent steps need (engine/playout.py)
     hold_when_late: bool = False  # below real time, hold the picture and keep the sound on the clock (engine/realtime.py)
+    # CPU threads for an engine in this process on the CPU (None: torch's default, every core). Fewer than the cores
+    # when other work shares them: an op split over threads waits for the slowest, so one busy core stalls them all
+    threads: int | None = None
+    # the model's and codec's numbers: auto (bfloat16 on CUDA, float32 on the CPU), float32, or bfloat16 (on a CPU with
+    # bf16 matrix instructions, AVX512-BF16 or AMX, about 1.6x faster than float32; cpu_has_bf16)
+    dtype: str = "auto"
 
     @property
     def own_processes(self) -> bool:
@@ -90,6 +97,8 @@ class EngineOptions:
         extra += [f"reset_every={self.reset_every}"] if self.reset_every is not None else []
         extra += ["adaptive_lead"] if self.adaptive_lead else []
         extra += ["hold_when_late"] if self.hold_when_late else []
+        extra += [f"threads={self.threads}"] if self.threads is not None else []
+        extra += [f"dtype={self.dtype}"] if self.dtype != "auto" else []
         return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
 
 
@@ -200,11 +209,14 @@ def check_options(options: EngineOptions, spec=None) -> None:
     c = options
     for key, value, choices in (("cache", c.cache, CACHES), ("kv_dtype", c.kv_dtype, tuple(KV_DTYPES)),
                                 ("backend", c.backend, BACKENDS), ("gemm", c.gemm, GEMM_MODES),
-                                ("attention", c.attention, ATTENTION_KERNELS), ("attention_p", c.attention_p, ATTENTION_P)):
+                                ("attention", c.attention, ATTENTION_KERNELS), ("attention_p", c.attention_p, ATTENTION_P),
+                                ("dtype", c.dtype, tuple(DTYPES))):
         if value not in choices:
             raise ValueError(f"config {c.name}: {key} must be one of {', '.join(choices)}, got {value!r}")
     if not (c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())):
         raise ValueError(f"config {c.name}: device must be auto, cpu, cuda or cuda:N, got {c.device!r}")
+    if c.threads is not None and c.threads < 1:
+        raise ValueError(f"config {c.name}: threads must be >= 1, got {c.threads}")
     gpu = torch.cuda.is_available()
     on_cuda = c.device.startswith("cuda") or (c.device == "auto" and gpu)
     if c.cuda_graph and not gpu:
@@ -268,6 +280,22 @@ def check_options(options: EngineOptions, spec=None) -> None:
 def options_device(options: EngineOptions) -> torch.device:
     """The device the options name, resolved (auto: a GPU when one is visible)."""
     return pick_device(options.device)
+
+
+def model_dtype(options: EngineOptions, device: torch.device) -> torch.dtype:
+    """The DiT's dtype on `device` under the options (auto: bfloat16 on CUDA, float32 on the CPU)."""
+    return DTYPES[options.dtype] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def codec_dtype(options: EngineOptions) -> torch.dtype:
+    """The codec's dtype: float32 unless the options ask for bfloat16."""
+    return DTYPES[options.dtype] or torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX), where they beat float32;
+    elsewhere they are emulated, and slower."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def apply_gemm_mode_(model: CausalVideoDiT, mode: str, *, fuse: bool, branch_streams: bool = True) -> CausalVideoDiT:

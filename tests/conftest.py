@@ -33,6 +33,15 @@ def _triton_language_as_it_was():
                 setattr(space, name, value)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_as_they_were():
+    """An engine built with `threads` sets torch's thread count for the whole process; later tests keep theirs."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
