@@ -66,7 +66,9 @@ class AppConfig:
                                               "(0: off; docs/app.md, \"Barge-in and Stop\")")
     agent: str = setting("local", "replies: local (a small language model in this process) or openai "
                                   "(an OpenAI-compatible endpoint you run, for bigger models)")
-    llm: str = setting("qwen2.5-1.5b", "agent local: the language model (qwen2.5-1.5b, or the lighter qwen2.5-0.5b)")
+    llm: str = setting("auto", "agent local: the language model: auto (qwen2.5-1.5b; on a machine of 2 cores or fewer "
+                               "whose model runs on the CPU, the lighter qwen2.5-0.5b when installed), qwen2.5-1.5b or "
+                               "qwen2.5-0.5b")
     llm_device: str = setting("auto", "agent local: where the language model runs: auto (the GPU when the engine "
                                       "runs on one and llama.cpp was built for CUDA, else the CPU), cpu or cuda")
     llm_threads: int | None = setting(None, "agent local: CPU threads for the language model (default: all cores "
@@ -139,7 +141,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "transport": ("webrtc", "hls"),
     "audio_input": ("browser", "local"),
     "agent": ("local", "openai"),
-    "llm": ("qwen2.5-1.5b", "qwen2.5-0.5b"),
+    "llm": ("auto", "qwen2.5-1.5b", "qwen2.5-0.5b"),
     "llm_device": ("auto", "cpu", "cuda"),
     "turn_detection": ("smart_turn", "silence"),
 }

@@ -8,8 +8,11 @@ ends it. Failures are kept as text for the page to show, never swallowed.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
+
+import torch
 
 from app.config import AppConfig
 from app.engine_host import AUTO_SPECS, EngineHost
@@ -20,6 +23,27 @@ from engine.session_log import default_log
 log = logging.getLogger(__name__)
 
 RECENT_SYNC_REPORTS = 5  # the browser's sync reports (one a second) that health's figure is the median of
+
+
+SMALL_MACHINE_CORES = 2  # llm auto: at most this many cores, the lighter model (docs/app.md, "Sharing the CPU")
+
+
+def choose_llm(config: AppConfig, cores: int | None = None) -> tuple[str, str]:
+    """llm auto: the 1.5B, except where its replies would come late and the 0.5B is installed: on a machine of
+    SMALL_MACHINE_CORES cores or fewer, with the model on the CPU, the engine, speech and the browser leave it
+    too little (replies 0.3 s later than the 0.5B's there, over the 1.5 s target). Returns the model and why."""
+    from voice.llm import DEFAULT_MODEL, MODELS, installed
+
+    if config.llm != "auto":
+        return config.llm, "chosen"
+    cores = cores or os.cpu_count() or 1
+    on_cpu = config.device == "cpu" or config.llm_device == "cpu" or not torch.cuda.is_available()
+    if not on_cpu or cores > SMALL_MACHINE_CORES:
+        return DEFAULT_MODEL, f"auto: {cores} cores"
+    light = "qwen2.5-0.5b"
+    if installed(light):
+        return light, f"auto: {cores} CPU cores, where the 1.5B's replies come later (--llm qwen2.5-1.5b for it)"
+    return DEFAULT_MODEL, (f"auto: {cores} CPU cores; the lighter {light} answers sooner here: {MODELS[light].install}")
 
 
 def load_voice_models(config: AppConfig) -> VoiceModels:
@@ -44,12 +68,15 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
     except Exception as e:
         raise ValueError(f"text-to-speech voice missing or unreadable: {e}") from e
     persona = persona_for(config.preset, config.name)
+    why = None
     if config.agent == "openai":
         agent = OpenAIChatAgent(base_url=config.base_url, model=config.model, system_prompt=config.system_prompt,
                                 persona=persona)
     else:
+        model, why = choose_llm(config)
+        log.info("language model: %s (%s)", model, why)
         try:
-            llm = LocalLLM(config.llm, threads=config.llm_threads,
+            llm = LocalLLM(model, threads=config.llm_threads,
                            device="cpu" if config.device == "cpu" else config.llm_device)
         except (ValueError, OSError) as e:
             raise ValueError(f"language model missing or unreadable: {e}") from e
@@ -69,7 +96,7 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
     prepare = getattr(agent, "prepare", None)
     if prepare is not None:  # the system prompt read into the model's cache once, not at the first question
         prepare([])
-    return VoiceModels(asr, tts, agent, loop, turn_model)
+    return VoiceModels(asr, tts, agent, loop, turn_model, llm_choice=why if config.llm == "auto" else None)
 
 
 class Controller:
@@ -186,6 +213,8 @@ class Controller:
             out["spec_choice"] = f"auto: {host.choice}"
         if self.voice is not None and hasattr(self.voice.agent, "describe"):
             out["replies"] = self.voice.agent.describe()
+            if self.voice.llm_choice is not None:
+                out["replies_choice"] = self.voice.llm_choice
         if host is not None:
             out.update(device=str(host.device), placement=host.placement_text,
                        weights="trained" if host.trained else "random (no trained weights shipped yet)")

@@ -60,6 +60,7 @@ class VoiceModels:
     agent: object
     loop: VoiceLoopConfig  # each session's loop settings (its trace file is the session's own)
     turn_model: SmartTurn | None = None  # the end-of-turn model, with turn_detection smart_turn
+    llm_choice: str | None = None  # with llm auto: which language model was taken, and why
 
 
 @dataclass

@@ -4,8 +4,10 @@ served by uvicorn; on exit the live session, the voice loop and the engine are c
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import errno
+import gc
 import logging
 import os
 import signal
@@ -80,15 +82,23 @@ def build_api(controller: Controller) -> FastAPI:
 
 
 def build_app(controller: Controller):
-    """The ASGI app: signalling routes, then Gradio's page at /; recordings may be served for replay."""
+    """The ASGI app: signalling routes, then Gradio's page at /; recordings may be served for replay.
+
+    Then every object made so far (the models, the page, the libraries: millions of them) is frozen out of the
+    garbage collector's full passes (gc.freeze): a full pass over them held every Python thread, the engine's
+    step and the media loop among them, for 0.1-0.3 s at a time. The collector still frees what sessions make."""
     import gradio as gr
 
     from app.ui import build_ui, page_settings
 
     recordings = recordings_folder(controller.config.recordings_dir)
     with contextlib.redirect_stdout(sys.stderr):  # mount_gradio_app prints; stdout is for --json output
-        return gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)],
-                                   **page_settings())
+        app = gr.mount_gradio_app(build_api(controller), build_ui(controller), path="/", allowed_paths=[str(recordings)],
+                                  **page_settings())
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)  # at exit all is collectable again, as the interpreter's last pass expects
+    return app
 
 
 def recordings_folder(recordings_dir: str) -> Path:

@@ -200,7 +200,7 @@ class RealtimeCharacter:
     LEAD_WINDOW, ADAPT_AFTER = 48, 8
     # With hold_when_late, a step's frames are expected after (1 + lookahead) times the slowest of the last
     # HOLD_WINDOW steps, times HOLD_MARGIN, plus one frame.
-    HOLD_WINDOW, HOLD_MARGIN = 4, 1.25
+    HOLD_WINDOW, HOLD_MARGIN = 1, 1.25
     STOP_WAIT_S = 10.0  # stop() waits this long for the step in flight (a first step may compile, capture a graph)
 
     def __init__(self, session: EngineSession | None = None, codec: Codec | None = None, *,

@@ -43,7 +43,7 @@ def test_the_figures_and_verdicts_come_from_the_result(results):
     assert "| rank step, median, back to back | <= 100 ms | 101.2 ms (p90 102.2) | no | `" + STEP in text
     assert "| position reset: reset step - step (the rotation alone) | <= 10 ms | +1.8 ms" in text
     edit(results / "app_bench_auto_cpu_mouth.json", lambda d: d["target"].update(median_s=4.0))
-    assert ("| `--spec auto` (`demo-cpu`), 2-core CPU, 1.5B model, the decoder with the per-frame mouth "
+    assert ("| the same, 1.5B model, the engine on two threads in float32, before the CPU budget "
             "| (a one-GPU target) | 4.00 s") in render()
 
 

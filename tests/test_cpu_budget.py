@@ -87,3 +87,58 @@ def test_the_page_is_sent_only_the_panels_that_changed():
     later = (["hi"], "<table>1</table>", "health 23 fps")
     sent = changed_only(later, first)
     assert sent[0] == gr.skip() and sent[1] == gr.skip() and sent[2] == "health 23 fps"
+
+
+@pytest.mark.parametrize("cores, device, light_installed, chosen", [
+    (2, "cpu", True, "qwen2.5-0.5b"),  # a small CPU machine: the lighter model
+    (2, "cpu", False, "qwen2.5-1.5b"),  # ... unless it is not installed (and the page says how to install it)
+    (4, "cpu", True, "qwen2.5-1.5b"),
+    (16, "cpu", True, "qwen2.5-1.5b"),
+])
+def test_llm_auto_takes_the_lighter_model_only_on_a_small_cpu_machine(monkeypatch, cores, device, light_installed, chosen):
+    import voice.llm
+    from app.controller import choose_llm
+
+    monkeypatch.setattr(voice.llm, "installed", lambda key: light_installed or key != "qwen2.5-0.5b")
+    model, why = choose_llm(AppConfig(device=device), cores=cores)
+    assert model == chosen and why.startswith("auto:")
+    if cores <= 2 and not light_installed:
+        assert 'pip install -e ".[lite]"' in why
+
+
+def test_a_named_llm_is_taken_as_named():
+    from app.controller import choose_llm
+
+    assert choose_llm(AppConfig(device="cpu", llm="qwen2.5-1.5b"), cores=2) == ("qwen2.5-1.5b", "chosen")
+    assert build_config(None, {}).llm == "auto"
+    with pytest.raises(ValueError, match="llm must be"):
+        build_config(None, {"llm": "gpt-4"})
+
+
+def test_installed_checks_every_part_at_its_pinned_version(monkeypatch):
+    import importlib.metadata
+
+    from voice.llm import MODELS, installed
+
+    model = MODELS["qwen2.5-0.5b"]
+    versions = {model.distribution(i): model.version for i in range(1, model.parts + 1)}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name] if name in versions
+                        else (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(name)))
+    assert installed("qwen2.5-0.5b")
+    versions[model.distribution(2)] = "0.0.1"
+    assert not installed("qwen2.5-0.5b")
+    del versions[model.distribution(2)]
+    assert not installed("qwen2.5-0.5b")
+
+
+def test_cpu_share_times_every_case_and_refuses_bad_counts(capsys):
+    from lab.cpu_share import main, run
+
+    result = run("tiny", steps=2, warmup=0)
+    cases = {(r["dtype"], r["threads"], r["case"]) for r in result["rows"]}
+    assert {case for _, _, case in cases} == {"alone", "beside a busy core", "beside a Python thread busy 30%"}
+    assert all(r["step_ms_median"] > 0 and r["step_ms_p90"] >= r["step_ms_median"] for r in result["rows"])
+    assert result["real_time_step_ms"] == round(1000 * 4 / 24, 1)
+    with pytest.raises(SystemExit):
+        main(["--spec", "tiny", "--steps", "0"])
+    assert "need --steps >= 1" in capsys.readouterr().err

@@ -352,7 +352,7 @@ def test_the_frames_a_step_would_bring_late_are_counted_on_the_playout_clock(mod
     now[0] += 2 / 24 + 1e-6
     assert len(character.playout.pop_due()) == 3  # frames 0-2 played: frame 4 is still due at 100 + 4/24
     assert character._frames_late(4) == 9  # and a step begun now brings it 2 frames later
-    character.step_seconds.append(0.05)  # the slowest of the latest steps decides
+    character.step_seconds.extend([0.05] * (character.HOLD_WINDOW - 1))  # the slowest of the latest steps decides
     assert character._frames_late(4) == 9
     character.step_seconds.extend([0.04] * character.HOLD_WINDOW)
     assert character._frames_late(4) == 1  # in time by 0.02 s, less than the one frame to spare

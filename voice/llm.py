@@ -149,6 +149,18 @@ def _part_path(model: ModelPackage, part: int) -> Path:
     return Path(importlib.import_module(model.module(part)).get_part_path())
 
 
+def installed(key: str) -> bool:
+    """Whether every package of model `key` is installed at its pinned version (nothing is read or joined)."""
+    model = MODELS[key]
+    for part in range(1, model.parts + 1):
+        try:
+            if importlib.metadata.version(model.distribution(part)) != model.version:
+                return False
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    return True
+
+
 def _stamp(path: Path) -> str:
     stat = path.stat()
     return f"{stat.st_size} {stat.st_mtime_ns}"

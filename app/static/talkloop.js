@@ -2,6 +2,9 @@
 // the character's video and voice down, and delivery reports measured here in the browser.
 (() => {
   const SILENT_RMS = 0.003, LOUD_RMS = 0.01, QUIET_BEFORE_MS = 150;
+  // The voice and the microphone are read this often: no longer than an analyser's 512 samples (10.7 ms at
+  // 48 kHz), so no sample goes unread, and no more often: each read runs on the page's main thread.
+  const LEVEL_POLL_MS = 10;
   // Barge-in at the page: the user's voice (the echo-cancelled microphone) this loud for config.interruption_ms
   // while the character's voice played in the last VOICE_RECENT_MS silences the character at once; the server's
   // barge_in confirms it (its own VAD, ~0.2-0.7 s later), and the voice comes back once what was buffered has
@@ -60,7 +63,7 @@
         if (t - quietSince >= QUIET_BEFORE_MS) { state.onsets.push(t); state.onsets = state.onsets.slice(-50); checkPending(); }
         quietSince = null;
       }
-    }, 5);
+    }, LEVEL_POLL_MS);
   }
 
   // The user speaking over the character: the character's voice is silenced here (the video element muted).
@@ -93,7 +96,7 @@
       if (rms >= MIC_SPEECH_RMS) { if (loudSince === null) loudSince = t; }
       else if (rms < MIC_SPEECH_RMS / 2) loudSince = null;
       if (loudSince !== null && t - loudSince >= interruptionMs && t - state.voiceLoudAt <= VOICE_RECENT_MS) silence();
-    }, 5);
+    }, LEVEL_POLL_MS);
   }
 
   // Every frame the video element presents, with when it was presented.
