@@ -159,3 +159,20 @@ def test_a_gpu_asked_of_a_build_without_cuda_is_a_clear_error():
     with pytest.raises(ValueError, match="must be auto, cpu or cuda"):
         LocalLLM(device="tpu")
     assert LocalLLM(device="auto").device == "cpu"
+
+
+@pytest.mark.parametrize("clause, kept", [
+    ("I'm Ada, a curious and knowledgeable AI.", False),
+    ("a curious and knowledgeable AI.", False),  # the same, as the splitter hands it out after "I'm Ada,"
+    ("I am just a chatbot, but I love space.", False),
+    ("As an AI language model, I can't.", False),
+    ("I'm Ada,", True),
+    ("I'm a big fan of AI.", True),
+    ("I'm learning about AI at school.", True),
+    ("The history of AI is fascinating.", True),
+    ("Have you tried the new AI art tools?", True),
+])
+def test_the_character_calling_itself_an_ai_is_left_unsaid_and_talk_of_ai_is_not(clause, kept):
+    from voice.personas import in_character
+
+    assert in_character(clause) is kept

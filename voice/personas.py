@@ -63,7 +63,11 @@ def system_prompt(persona: Persona, template: str | None = None) -> str:
 # The model speaking of itself as a program. A small model sometimes does despite the prompt; such a sentence is
 # never said (the rest of the reply is).
 OUT_OF_CHARACTER = re.compile(r"\b(as an ai|an ai\b|language model|artificial intelligence|(have|has) no personal|"
-                              r"(don't|do not) have (personal |any )?(preferences|opinions|feelings|emotions|a body))", re.I)
+                              r"(don't|do not) have (personal |any )?(preferences|opinions|feelings|emotions|a body))"
+                              # "I'm Ada, a curious and knowledgeable AI.": said of itself, or as a clause of its own
+                              r"|\bI(?:'m| am)\s+(\w+,\s*)?(just\s+)?an?\s+((?!of\b|about\b)[\w-]+\s+){0,4}"
+                              r"(ai|a\.i\.|chatbot|virtual assistant|computer program)\b"
+                              r"|^\W*(just )?an? \b[^.!?,]{0,50}\b(ai|a\.i\.|chatbot)\W*$", re.I)
 
 
 def in_character(sentence: str) -> bool:
