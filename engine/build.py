@@ -142,12 +142,12 @@ def build_engine(options: EngineOptions, spec: ModelSpec, *, look: str, playout:
             session = new_session(loaded.model, options)
             session.start(reference)
             character = RealtimeCharacter(session, loaded.codec, playout=playout, adaptive_lead=options.adaptive_lead,
-                                          hold_when_late=options.hold_when_late)
+                                          hold_when_late=options.hold_when_late, group_blend=options.group_blend)
             return Built(character, loaded.trained, None, release)
         steps = RemoteSteps(processes)
         steps.start(reference.cpu())
         character = RealtimeCharacter(steps=steps, playout=playout, lookahead=1, adaptive_lead=options.adaptive_lead,
-                                      hold_when_late=options.hold_when_late)
+                                      hold_when_late=options.hold_when_late, group_blend=options.group_blend)
     except BaseException:
         if processes is not None:
             processes.close()

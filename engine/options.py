@@ -71,6 +71,8 @@ class EngineOptions:
     # the model's and codec's numbers: auto (bfloat16 on CUDA, float32 on the CPU), float32, or bfloat16 (on a CPU with
     # bf16 matrix instructions, AVX512-BF16 or AMX, about 1.6x faster than float32; cpu_has_bf16)
     dtype: str = "auto"
+    # each step's first frame this much the frame made before it (engine/realtime.py, blend_group_start; 0: off)
+    group_blend: float = 0.5
 
     @property
     def own_processes(self) -> bool:
@@ -99,6 +101,7 @@ class EngineOptions:
         extra += ["hold_when_late"] if self.hold_when_late else []
         extra += [f"threads={self.threads}"] if self.threads is not None else []
         extra += [f"dtype={self.dtype}"] if self.dtype != "auto" else []
+        extra += [f"group_blend={self.group_blend:g}"] if self.group_blend != 0.5 else []
         return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
 
 
@@ -145,6 +148,11 @@ def option_value(key: str, value) -> object:
         if "None" in kind:
             return None
         raise ValueError(f"config key {key} needs a value")
+    if kind == "float":
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"config key {key} must be a number, got {value!r}") from None
     if "int" in kind:
         if isinstance(value, bool) or not (isinstance(value, int) or str(value).lstrip("-").isdigit()):
             raise ValueError(f"config key {key} must be a whole number, got {value!r}")
@@ -215,6 +223,8 @@ def check_options(options: EngineOptions, spec=None) -> None:
             raise ValueError(f"config {c.name}: {key} must be one of {', '.join(choices)}, got {value!r}")
     if not (c.device in ("auto", "cpu", "cuda") or (c.device.startswith("cuda:") and c.device[5:].isdigit())):
         raise ValueError(f"config {c.name}: device must be auto, cpu, cuda or cuda:N, got {c.device!r}")
+    if not 0.0 <= c.group_blend < 1.0:
+        raise ValueError(f"config {c.name}: group_blend must be in [0, 1), got {c.group_blend}")
     if c.threads is not None and c.threads < 1:
         raise ValueError(f"config {c.name}: threads must be >= 1, got {c.threads}")
     gpu = torch.cuda.is_available()

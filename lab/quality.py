@@ -318,14 +318,15 @@ def picture_stats(frames: torch.Tensor) -> dict:
 
 # Running the engine -------------------------------------------------------------------------
 def engine_frames(spec, pcm: np.ndarray, preset: str, *, weights: str | None = None, device: str = "cpu",
-                  cache: str = "ring", kv_dtype: str = "fp8", dtype: str = "auto", seed: int = 0, user: np.ndarray | None = None):
+                  cache: str = "ring", kv_dtype: str = "fp8",
+                  dtype: str = "auto", group_blend: float = 0.5, seed: int = 0, user: np.ndarray | None = None):
     """Generate frames for `pcm` with the shipped engine; yields (first_frame, rgb (4, H, W, 3) uint8) per step.
     With `user`, the character hears the user's voice too (stream_frames).
 
     Returns (generator, trained) so callers can stream long sessions without keeping frames.
     """
     options = EngineOptions(name="lipsync", weights=weights, seed=seed, device=device, cache=cache, kv_dtype=kv_dtype,
-                            dtype=dtype)
+                            dtype=dtype, group_blend=group_blend)
     built = build_engine(options, spec, look=preset)
     return stream_frames(built.character, spec, pcm, built.close, user), built.trained
 
@@ -365,11 +366,13 @@ def stream_frames(character: RealtimeCharacter, spec, pcm: np.ndarray,
 
 
 def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
-                   cache: str = "ring", kv_dtype: str = "fp8", dtype: str = "auto", seed: int = 0, max_offset: int = MAX_OFFSET) -> dict:
+                   cache: str = "ring", kv_dtype: str = "fp8",
+                   dtype: str = "auto", group_blend: float = 0.5, seed: int = 0, max_offset: int = MAX_OFFSET) -> dict:
     """Generated frames, the renderer's ceiling and the shuffled-audio floor for one clip."""
     n = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
     env = audio_envelope(pcm, n, spec.fps)
-    gen, trained = engine_frames(spec, pcm, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype, dtype=dtype, seed=seed)
+    gen, trained = engine_frames(spec, pcm, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype,
+                                 dtype=dtype, group_blend=group_blend, seed=seed)
     t0 = time.perf_counter()  # from the first step, as in long_session_report: loading is not stepping
     frames = np.concatenate([rgb for _, rgb in gen])[:n]
     gen_seconds = time.perf_counter() - t0
@@ -419,7 +422,8 @@ def listening_scores(change: torch.Tensor, signal: torch.Tensor, fps: int = 24, 
 
 
 def listen_report(spec, user: np.ndarray, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
-                  cache: str = "ring", kv_dtype: str = "fp8", dtype: str = "auto", seed: int = 0, sheet: str | Path | None = None,
+                  cache: str = "ring", kv_dtype: str = "fp8",
+                  dtype: str = "auto", group_blend: float = 0.5, seed: int = 0, sheet: str | Path | None = None,
                   every: int = 12, columns: int = 8) -> dict:
     """The character silent while the user speaks `user`: the engine run twice on the same noise, hearing the
     user and not, and each frame's mean absolute difference between the two (0..1) against the user's voice
@@ -433,7 +437,7 @@ def listen_report(spec, user: np.ndarray, preset: str = "ada", *, weights: str |
     runs = {}
     for name, heard in (("unheard", None), ("heard", user)):
         gen, trained = engine_frames(spec, silence, preset, weights=weights, device=device, cache=cache,
-                                     kv_dtype=kv_dtype, dtype=dtype, seed=seed, user=heard)
+                                     kv_dtype=kv_dtype, dtype=dtype, group_blend=group_blend, seed=seed, user=heard)
         runs[name] = torch.from_numpy(np.concatenate([rgb for _, rgb in gen])[:n])
     states = ch.frame_states(ch.mouth_from_audio(silence, n, spec.fps), seed, 0, spec.fps)
     listening = listening_features(user, spec.fps)[:n]
@@ -472,7 +476,8 @@ def clip_reports(spec, pcm: np.ndarray, clips: int, preset: str, min_seconds: fl
 
 
 def idle_report(spec, seconds: float, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
-                cache: str = "ring", kv_dtype: str = "fp8", dtype: str = "auto", seed: int = 0, still_threshold: float = STILL_THRESHOLD) -> dict:
+                cache: str = "ring", kv_dtype: str = "fp8",
+                dtype: str = "auto", group_blend: float = 0.5, seed: int = 0, still_threshold: float = STILL_THRESHOLD) -> dict:
     """The engine on silence for `seconds` (built as lipsync builds it), against the renderer's own idle frames
     (head sway, gaze, blinks, mouth closed: engine.character) for as long, the ceiling: idle_motion_stats of both.
     The target: no window of STILL_TARGET_S without motion, and blinks as often as the renderer's."""
@@ -480,8 +485,8 @@ def idle_report(spec, seconds: float, preset: str = "ada", *, weights: str | Non
     if n < 2 * spec.fps:
         raise ValueError(f"--seconds {seconds:g} is too short: the report needs at least 2 s")
     silence = np.zeros(frame_sample(n, spec.fps), np.float32)
-    gen, trained = engine_frames(spec, silence, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype, dtype=dtype,
-                                 seed=seed)
+    gen, trained = engine_frames(spec, silence, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype,
+                                 dtype=dtype, group_blend=group_blend, seed=seed)
     t0 = time.perf_counter()
     generated = torch.from_numpy(np.concatenate([rgb for _, rgb in gen])[:n])
     gen_seconds = time.perf_counter() - t0
@@ -497,7 +502,8 @@ def idle_report(spec, seconds: float, preset: str = "ada", *, weights: str | Non
 
 
 def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ada", *, weights: str | None = None,
-                        device: str = "cpu", cache: str = "ring", kv_dtype: str = "fp8", dtype: str = "auto", seed: int = 0,
+                        device: str = "cpu", cache: str = "ring", kv_dtype: str = "fp8",
+                        dtype: str = "auto", group_blend: float = 0.5, seed: int = 0,
                         max_offset: int = MAX_OFFSET, progress=None, config: "EngineOptions | None" = None) -> dict:
     """The clip looped (with 1 s of silence between repeats) for `minutes`; metric and picture per minute.
 
@@ -522,7 +528,8 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
     if config is not None:
         gen, trained = config_frames(config, spec, looped, preset, noise_seed=seed, weights=weights)
     else:
-        gen, trained = engine_frames(spec, looped, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype, dtype=dtype, seed=seed)
+        gen, trained = engine_frames(spec, looped, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype,
+                                 dtype=dtype, group_blend=group_blend, seed=seed)
     t0 = time.perf_counter()
     for first, rgb in gen:
         rgb_t = torch.from_numpy(rgb)[: max(0, n - first)]
@@ -553,7 +560,8 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
         "ceiling_first_minute": sync_scores(mouth_opening(rendered, preset), env[:n_ceiling], max_offset),
         "steps_per_second": math.ceil(n / spec.frames_per_latent) / seconds,
         "device": str(options_device(config)) if config is not None else device,
-        "config": config.describe() if config is not None else f"cache={cache} kv={kv_dtype} dtype={dtype}",
+        "config": (config.describe() if config is not None
+                   else f"cache={cache} kv={kv_dtype} dtype={dtype} group_blend={group_blend:g}"),
         "position_resets": _resets(spec, math.ceil(n / spec.frames_per_latent), config, cache),
     }
 
@@ -776,7 +784,7 @@ def sheet(spec, pcm: np.ndarray, presets: list[str], out: str | Path, *, every: 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The report functions' engine keywords from the arguments engine_arguments adds."""
     return dict(weights=args.weights, device=str(pick_device(args.device)), cache=args.cache, kv_dtype=args.kv_dtype,
-                dtype=args.dtype, seed=args.seed)
+                dtype=args.dtype, group_blend=args.group_blend, seed=args.seed)
 
 
 def engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -788,6 +796,8 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
     parser.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                         help="the model's and codec's numbers (auto: bfloat16 on CUDA, float32 on the CPU)")
+    parser.add_argument("--group-blend", type=float, default=0.5,
+                        help="each step's first frame this much the frame before it (0: as the codec draws it)")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -358,3 +358,22 @@ def test_the_frames_a_step_would_bring_late_are_counted_on_the_playout_clock(mod
     assert character._frames_late(4) == 1  # in time by 0.02 s, less than the one frame to spare
     character.step_seconds.extend([0.01] * character.HOLD_WINDOW)
     assert character._frames_late(4) == 0
+
+
+def test_each_steps_first_frame_is_blended_with_the_frame_made_before_it(model):
+    """group_blend 0.5: a step's first frame lies halfway between the codec's drawing and the frame before it; the
+    first step, and the other frames of every step, are the codec's own."""
+    from engine.realtime import blend_group_start
+
+    plain, blended = make_character(model), make_character(model, group_blend=0.5)
+    a = [[f.rgb for f in plain.make_step()] for _ in range(3)]
+    b = [[f.rgb for f in blended.make_step()] for _ in range(3)]
+    assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
+    for step in (1, 2):
+        assert np.array_equal(b[step][0], blend_group_start(a[step][0], a[step - 1][-1], 0.5))
+        assert not np.array_equal(b[step][0], a[step][0])
+        assert all(np.array_equal(x, y) for x, y in zip(a[step][1:], b[step][1:]))
+    half = blend_group_start(np.full((1, 1, 3), 10, np.uint8), np.full((1, 1, 3), 21, np.uint8), 0.5)
+    assert half.dtype == np.uint8 and int(half[0, 0, 0]) == 16  # 15.5 rounds to even
+    with pytest.raises(ValueError, match=r"group_blend must be in \[0, 1\), got 1.0"):
+        make_character(model, group_blend=1.0)
