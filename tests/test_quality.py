@@ -147,7 +147,7 @@ def test_contact_sheet_png(tmp_path, speech, capsys):
 
 # Engine configurations and compare ----------------------------------------------------------
 from engine.config import get_spec  # noqa: E402
-from engine.options import CONFIG_PRESETS, attention_p_options, parse_options  # noqa: E402
+from engine.options import CONFIG_PRESETS, EngineOptions, attention_p_options, parse_options  # noqa: E402
 from lab.quality import compare, drift_verdict, mean_ci95, t_quantile_975, verdict  # noqa: E402
 
 
@@ -325,7 +325,7 @@ def _one_push_frames(spec, pcm: np.ndarray, look: str, seed: int) -> np.ndarray:
     model, codec, _ = load_engine(spec, seed=seed)
     session = EngineSession(model, cache="ring", kv_dtype="fp8", seed=seed)
     session.start(codec.encode_reference(ch.reference_image(look, spec.image_size)))
-    character = RealtimeCharacter(session, codec)
+    character = RealtimeCharacter(session, codec, group_blend=EngineOptions().group_blend)  # as the engine is built
     character.push_audio(pcm, SAMPLE_RATE)
     steps = -(-len(pcm) * spec.fps // SAMPLE_RATE) // spec.frames_per_latent
     return np.concatenate([np.stack([f.rgb for f in character.make_step()]) for _ in range(steps)])
