@@ -321,6 +321,32 @@ def test_a_reply_still_queued_in_the_sink_is_still_speaking_and_can_be_cut(model
     assert text_of(events, "agent_interrupted") == [""]  # it had not started playing
 
 
+class EarlyEstimateSink(LaggingSink):
+    """Says each push after the first plays 5 ms before the audio queued ahead of it ends: the app's estimate, read
+    off the playout clock at each push, can be that far off between two readings."""
+
+    def push_audio(self, pcm: np.ndarray, sample_rate: int) -> float:
+        queued = self.plays_until
+        starts = super().push_audio(pcm, sample_rate)
+        return starts - 0.005 if queued else starts
+
+
+def test_a_replys_next_audio_is_taken_to_play_after_its_last_whatever_the_estimate(models):
+    """The sink appends a reply's audio after what it queued before, so the loop counts each sentence from the end
+    of the one before it, even when the sink's estimate says a few ms sooner: what was heard of a cut reply never
+    sums to more than the span it played over."""
+    sink = EarlyEstimateSink()
+    agent = ScriptedAgent(["Here is the first sentence of it.", "And here is a second one after it."])
+    with make_loop(models, sink, agent=agent) as loop:
+        feed_audio(loop, question("Tell me two things."), real_time=False)
+        assert loop.wait_idle(30) and len(sink.pushes()) >= 2
+        turn = loop._last_spoken  # the reply's turn, with when each sentence plays
+        assert turn is not None and len(turn.spoken_at) == 2
+        assert turn.spoken_at[1] >= turn.spoken_at[0] + turn.spoken_s[0] - 1e-9
+        turn.barge_in_t = turn.spoken_at[1] + 0.2
+        assert turn.heard_audio_s(sum(turn.spoken_s)) <= turn.heard_span_s() + 1e-9
+
+
 def test_stop_while_a_reply_plays_keeps_what_was_heard_and_marks_it_interrupted(models, tmp_path):
     """Stop (close) in the middle of a reply whose audio is all in the sink and still playing: the sink is cleared,
     the reply is cut back to what had begun to play, reported interrupted, and its record says so."""
