@@ -12,8 +12,6 @@ import os
 import threading
 from typing import Any
 
-import torch
-
 from app.config import AppConfig
 from app.engine_host import AUTO_SPECS, EngineHost
 from app.live import LiveSession, VoiceModels
@@ -28,17 +26,21 @@ RECENT_SYNC_REPORTS = 5  # the browser's sync reports (one a second) that health
 SMALL_MACHINE_CORES = 2  # llm auto: at most this many cores, the lighter model (docs/app.md, "Sharing the CPU")
 
 
+def llm_device(config: AppConfig) -> str:
+    """Where the language model is asked to run: the CPU with the engine's --device cpu, else llm_device."""
+    return "cpu" if config.device == "cpu" else config.llm_device
+
+
 def choose_llm(config: AppConfig, cores: int | None = None) -> tuple[str, str]:
     """llm auto: the 1.5B, except where its replies would come late and the 0.5B is installed: on a machine of
     SMALL_MACHINE_CORES cores or fewer, with the model on the CPU, the engine, speech and the browser leave it
-    too little (replies 0.3 s later than the 0.5B's there, over the 1.5 s target). Returns the model and why."""
-    from voice.llm import DEFAULT_MODEL, MODELS, installed
+    too little (replies 0.44 s later than the 0.5B's there, over the 1.5 s target). Returns the model and why."""
+    from voice.llm import DEFAULT_MODEL, MODELS, installed, runs_on_gpu
 
     if config.llm != "auto":
         return config.llm, "chosen"
     cores = cores or os.cpu_count() or 1
-    on_cpu = config.device == "cpu" or config.llm_device == "cpu" or not torch.cuda.is_available()
-    if not on_cpu or cores > SMALL_MACHINE_CORES:
+    if runs_on_gpu(llm_device(config)) or cores > SMALL_MACHINE_CORES:
         return DEFAULT_MODEL, f"auto: {cores} cores"
     light = "qwen2.5-0.5b"
     if installed(light):
@@ -76,8 +78,7 @@ def load_voice_models(config: AppConfig) -> VoiceModels:
         model, why = choose_llm(config)
         log.info("language model: %s (%s)", model, why)
         try:
-            llm = LocalLLM(model, threads=config.llm_threads,
-                           device="cpu" if config.device == "cpu" else config.llm_device)
+            llm = LocalLLM(model, threads=config.llm_threads, device=llm_device(config))
         except (ValueError, OSError) as e:
             raise ValueError(f"language model missing or unreadable: {e}") from e
         agent = LocalLLMAgent(llm, persona, prompt_template=config.system_prompt)

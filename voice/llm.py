@@ -219,6 +219,18 @@ def _gpu_visible() -> bool:
     return torch.cuda.is_available()
 
 
+def runs_on_gpu(device: str) -> bool:
+    """Whether a language model asked for on `device` (auto, cpu or cuda) runs on the GPU: cuda, or auto where this
+    llama-cpp-python build can offload and a GPU is visible."""
+    if device != "auto":
+        return device == "cuda"
+    try:
+        import llama_cpp
+    except ImportError:
+        return False
+    return bool(llama_cpp.llama_supports_gpu_offload()) and _gpu_visible()
+
+
 def default_threads() -> int:
     """Threads for the language model: all cores on a small machine, else up to 8 of them, leaving the rest to
     speech recognition, speech synthesis and the engine's host thread (decoding is bound by memory bandwidth, so
@@ -252,7 +264,7 @@ class LocalLLM:
         if device == "cuda" and not can_offload:
             raise ValueError("this llama-cpp-python build cannot use a GPU (rebuild it with CMAKE_ARGS=\"-DGGML_CUDA=on\"), "
                              "or run the language model on the CPU")
-        offload = device == "cuda" or (device == "auto" and can_offload and _gpu_visible())
+        offload = runs_on_gpu(device)
         started = time.perf_counter()
         self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=context_tokens, n_threads=self.threads,
                                    n_threads_batch=self.threads, n_gpu_layers=-1 if offload else 0,
