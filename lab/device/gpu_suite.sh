@@ -9,7 +9,7 @@
 # soak-collect, in the next call on the same machine, waits for it and copies its report to $OUT.
 set -uo pipefail
 parts=${*:-all}
-known=" tests attention attention-ncu attention-ncu-source attention-cudnn attention-fa3 step cache pipeline all allreduce x2 session2 soak soak-start soak-collect compare compare-x2 app character step-move "
+known=" tests attention attention-ncu attention-ncu-source attention-cudnn attention-fa3 step cache pipeline all allreduce x2 session2 soak soak-start soak-collect compare compare-x2 app character drift step-move "
 for part in $parts; do  # a misspelt part would otherwise run nothing and exit 0
   [[ $known == *" $part "* ]] || { echo "gpu_suite.sh: unknown part '$part'; parts:$known" >&2; exit 2; }
 done
@@ -65,7 +65,7 @@ for part in $parts; do
   fi
   if [[ $part == character ]]; then  # the shipped characters on this GPU: lip sync and per-frame motion (5 clips of
     # data/eval.wav), listening; then the step with the shipped decoder and with it less its per-frame mouth (the
-    # decoder before it: every other weight is the same), in turns, in this one call
+    # decoder before it, and no blend of each step's first frame: every other weight is the same), in turns, in this one call
     for spec in demo demo-cpu; do
       run python3 -m lab.quality lipsync --spec $spec --audio data/eval.wav --device cuda --clips 5 --json > "$OUT/lipsync_${spec}_h200.json"
     done
@@ -78,9 +78,13 @@ codec.load_state_dict({k: v for k, v in shipped.state_dict().items() if not k.st
 save_codec(codec, sys.argv[1])" "$before/demo-codec.pt" || exit 1
     for turn in 1 2; do
       run python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-60}" --json > "$OUT/soak_demo_mouth_$turn.json"
-      run python3 -m lab.soak --spec demo --config cuda-graph --seconds "${SOAK_SECONDS:-60}" --weights "$before/demo.pt" --json \
+      run python3 -m lab.soak --spec demo --config cuda-graph,group_blend=0 --seconds "${SOAK_SECONDS:-60}" --weights "$before/demo.pt" --json \
         > "$OUT/soak_demo_before_$turn.json"
     done
+  fi
+  if [[ $part == drift ]]; then  # 10 minutes of the demo character offline: the first minute against the last
+    run python3 -m lab.quality drift --spec demo --minutes 10 --json > "$OUT/drift_demo_h200.json" \
+      && python3 -c "import json;r=json.load(open('$OUT/drift_demo_h200.json'));print(r['drift'], r['steps_per_second'])"
   fi
   if [[ $part == step-move ]]; then  # the 57b rank step of this tree and of the tree before engine/'s structure move,
     # in turns, in one call; BEFORE_TAR: `git archive 22f459a engine tools | gzip > data/before-move.tar.gz`, carried
