@@ -134,7 +134,8 @@ listening = lambda r: (f"|corr| {abs(r['generated']['corr']):.2f} (shuffled voic
                        f"renderer {abs(r['rendered']['corr']):.2f})")
 LISTENING = {"bound": "above the shuffled voice", "met": lambda r: r["generated"]["above_shuffled"]}
 sv = lambda r: r["serving"]
-STEP = "step_57b_tp3_h200_after_options.json"
+STEP = "step_57b_tp3_h200_move_now.json"
+STEP_BEFORE_MOVE = "step_57b_tp3_h200_move_before_1.json"  # the tree before engine/'s structure move, same call
 ATTENTION = "attention_57b_tp3_h200_repeat_4.json"
 
 SECTIONS = [  # (title, note, rows)
@@ -143,6 +144,10 @@ SECTIONS = [  # (title, note, rows)
      "bound: figures beside the targets.", [
         Row("rank step, median, back to back", STEP, lambda r: f"{sv(r)['step_ms']:.1f} ms (p90 {sv(r)['step_ms_p90']:.1f})",
             **le(100, "ms", lambda r: sv(r)["step_ms"])),
+        Row("the same, the tree before the structure move (22f459a), in turns in the same device call", STEP_BEFORE_MOVE,
+            lambda r: f"{sv(r)['step_ms']:.1f} ms (p90 {sv(r)['step_ms_p90']:.1f}); this tree "
+                      f"{sv(load(STEP))['step_ms'] / sv(r)['step_ms'] - 1:+.1%}",
+            bound="this tree within 2%", met=lambda r: abs(sv(load(STEP))["step_ms"] / sv(r)["step_ms"] - 1) <= 0.02),
         Row("cache upkeep per step", STEP, lambda r: f"{sv(r)['cache_upkeep_ms']:.2f} ms",
             **le(3, "ms", lambda r: sv(r)["cache_upkeep_ms"])),
         Row("position reset: reset step - step (the rotation alone)", STEP,
@@ -190,6 +195,12 @@ SECTIONS = [  # (title, note, rows)
         Row("`demo`, one H200, 2-minute session, the listening decoder", "soak_demo_h200_120s.json",
             lambda r: f"{r['fps']:.2f} fps, step p50 {r['step_ms']['p50']:.1f} ms (p99 {r['step_ms']['p99']:.1f}), "
                       f"{r['underruns']} underruns", **REAL_TIME),
+        Row("`demo`, one H200, 1-minute session, as served (per-frame mouth, each step's first frame blended)",
+            "soak_demo_h200_60s_blend.json", lambda r: f"{r['fps']:.2f} fps, step p50 {r['step_ms']['p50']:.1f} ms "
+            f"(p99 {r['step_ms']['p99']:.1f}), {r['underruns']} underruns", **REAL_TIME),
+        Row("the same, no blend (`group_blend=0`), run just after", "soak_demo_h200_60s_noblend.json",
+            lambda r: f"{r['fps']:.2f} fps, step p50 {r['step_ms']['p50']:.1f} ms (p99 {r['step_ms']['p99']:.1f}), "
+                      f"{r['underruns']} underruns", **REAL_TIME),
         Row("`demo`, one H200, 10 minutes offline: first against last minute", "drift_demo_h200.json",
             lambda r: f"{r['drift']['verdict']} (score slope {r['drift']['score_slope_per_minute']:+.4f} a minute)",
             bound="stable", met=lambda r: r["drift"]["verdict"] == "stable"),
@@ -199,17 +210,23 @@ SECTIONS = [  # (title, note, rows)
             lambda r: f"{r['steps_per_second']:.1f}", **STEPS),
         Row("lip sync, `demo`, 2-core CPU", "lipsync_demo_cpu_blend.json", lipsync),
         Row("lip sync, `demo-cpu`, 2-core CPU", "lipsync_demo-cpu_cpu_blend.json", lipsync),
+        Row("lip sync, `demo`, one H200", "lipsync_demo_h200_blend.json", lipsync),
+        Row("lip sync, `demo-cpu`, one H200", "lipsync_demo-cpu_h200_blend.json", lipsync),
         Row("lip sync, `demo`, one H200, the decoder before the per-frame mouth", "lipsync_demo_h200_listen.json", lipsync),
         Row("lip sync, `demo-cpu`, one H200, the decoder before the per-frame mouth", "lipsync_demo-cpu_h200_listen.json",
             lipsync),
         Row("lips in time: best offset 0, held-out speech in 5 clips, `demo`, 2-core CPU", "lipsync_demo_cpu_blend.json",
             offsets, **OFFSETS),
         Row("the same, `demo-cpu`, 2-core CPU", "lipsync_demo-cpu_cpu_blend.json", offsets, **OFFSETS),
+        Row("the same, `demo`, one H200", "lipsync_demo_h200_blend.json", offsets, **OFFSETS),
+        Row("the same, `demo-cpu`, one H200", "lipsync_demo-cpu_h200_blend.json", offsets, **OFFSETS),
         Row("the same, `demo`, one H200, the decoder before the per-frame mouth", "lipsync_demo_h200_listen.json",
             offsets, **OFFSETS),
         Row("per-frame mouth motion inside a latent group, `demo`, 2-core CPU", "lipsync_demo_cpu_blend.json", motion,
             **MOTION),
         Row("the same, `demo-cpu`, 2-core CPU", "lipsync_demo-cpu_cpu_blend.json", motion, **MOTION),
+        Row("the same, `demo`, one H200", "lipsync_demo_h200_blend.json", motion, **MOTION),
+        Row("the same, `demo-cpu`, one H200", "lipsync_demo-cpu_h200_blend.json", motion, **MOTION),
         Row("the same, `demo`, 2-core CPU, each step's first frame as the codec draws it (`--group-blend 0`)",
             "lipsync_demo_cpu_mouth.json", motion, **MOTION),
         Row("the same, `demo-cpu`, 2-core CPU, as the codec draws it", "lipsync_demo-cpu_cpu_mouth.json", motion, **MOTION),
@@ -250,6 +267,7 @@ LIPSYNC_CMD = "python -m lab.quality lipsync --spec {} --audio data/eval.wav --d
 COMMANDS = {
     STEP: "python -m lab.bench step --spec characters-57b --tp-shard 3 --json",
     ATTENTION: "python -m lab.bench attention --tp-shard 3 --json",
+    STEP_BEFORE_MOVE: "BEFORE_TAR=data/before-move.tar.gz bash lab/device/gpu_suite.sh step-move (the tree of 22f459a)",
     "pytest_gpu_h200.txt": "bash lab/device/gpu_suite.sh tests",
     "cache_57b_tp3_h200.json": "python -m lab.bench cache --device cuda --spec characters-57b --tp-shard 3 --json",
     "fa3_fp8_attention_h200.json": "FA3_SRC=<flash-attention checkout> bash lab/device/gpu_suite.sh attention-fa3",
@@ -261,7 +279,11 @@ COMMANDS = {
     "soak_demo_h200.json": "python -m lab.soak --spec demo --config cuda-graph --seconds 600 --json",
     "pipeline_demo_h200.json": "python -m lab.bench pipeline --spec demo --json",
     "soak_demo_h200_120s.json": "python -m lab.soak --spec demo --config cuda-graph --seconds 120 --json",
+    "soak_demo_h200_60s_blend.json": "python -m lab.soak --spec demo --config cuda-graph --seconds 60 --json",
+    "soak_demo_h200_60s_noblend.json": "python -m lab.soak --spec demo --config cuda-graph,group_blend=0 --seconds 60 --json",
     "drift_demo_h200.json": "python -m lab.quality drift --spec demo --minutes 10 --json",
+    "lipsync_demo_h200_blend.json": LIPSYNC_CMD.format("demo", "cuda"),
+    "lipsync_demo-cpu_h200_blend.json": LIPSYNC_CMD.format("demo-cpu", "cuda"),
     "lipsync_demo_h200_listen.json": LIPSYNC_CMD.format("demo", "cuda"),
     "lipsync_demo-cpu_h200_listen.json": LIPSYNC_CMD.format("demo-cpu", "cuda"),
     "lipsync_demo_cpu_blend.json": LIPSYNC_CMD.format("demo", "cpu"),
