@@ -38,10 +38,11 @@ def test_every_row_reads_a_result_that_the_runs_table_lists_once():
 
 
 def test_the_figures_and_verdicts_come_from_the_result(results):
-    edit(results / STEP, lambda d: d["serving"].update(step_ms=101.23, reset_step_ms=103.0))
+    edit(results / STEP, lambda d: d["serving"].update(step_ms=101.23, step_ms_p90=102.2, reset_step_ms=103.0))
     text = render()
     assert "| rank step, median, back to back | <= 100 ms | 101.2 ms (p90 102.2) | no | `" + STEP in text
     assert "| position reset: reset step - step (the rotation alone) | <= 10 ms | +1.8 ms" in text
+    assert "this tree +3.6% | no |" in text  # 101.23 against the tree before the move's 97.73
     edit(results / "app_bench_auto_cpu_mouth.json", lambda d: d["target"].update(median_s=4.0))
     assert ("| the same, 1.5B model, the engine on two threads in float32, before the CPU budget "
             "| (a one-GPU target) | 4.00 s") in render()
