@@ -69,7 +69,7 @@ class EngineOptions:
     # when other work shares them: an op split over threads waits for the slowest, so one busy core stalls them all
     threads: int | None = None
     # the model's and codec's numbers: auto (bfloat16 on CUDA, float32 on the CPU), float32, or bfloat16 (on a CPU with
-    # bf16 matrix instructions, AVX512-BF16 or AMX, about 1.6x faster than float32; cpu_has_bf16)
+    # bf16 matrix instructions, AVX512-BF16 or AMX: cpu_has_bf16; its speed: docs/app.md, "Sharing the CPU")
     dtype: str = "auto"
     # each step's first frame this much the frame made before it (engine/realtime.py, blend_group_start; 0: off)
     group_blend: float = 0.5
