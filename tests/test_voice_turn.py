@@ -144,7 +144,9 @@ def test_words_that_cannot_end_a_turn(words, unfinished):
     ("When I was young I lived in Paris, where do you live.", True),
     ("My favourite colour is green.", False), ("I would like a cup of tea.", False), ("Thank you, that was fun.", False),
     ("I tried to bake some bread.", False), ("When you have a moment.", False), ("Can you tell me about the", False),
-    ("What I wanted to say is,", False), ("", False)])
+    ("What I wanted to say is,", False), ("", False),
+    ("Hello?", False), ("Hi there, Ada?", False), ("Good morning!", False), ("Hello, how are you doing today?", True),
+    ("Hey, what is your name?", True), ("Hello, what?", True)])
 def test_words_that_ask_the_character_something(words, asks):
     assert asks_something(words) is asks
 
@@ -163,6 +165,20 @@ def test_an_opening_clause_the_model_finds_complete_waits_for_the_rest():
     assert "moment" in turn.info["user_text"] and "joke" in turn.info["user_text"]
     assert any("unfinished_words" in j for j in turn.info["turn_judgements"]), turn.info["turn_judgements"]
     assert turn.info["end_reason"] == "smart_turn"
+
+
+def test_a_greeting_then_a_pause_then_the_question_is_one_turn():
+    """Whisper writes a lone "Hello," as "Hello?", and the model finds it complete: a greeting asks nothing, so the
+    turn waits as a statement does and the question after the pause joins it."""
+    loop = VoiceLoop(RecordingSink(), agent=Silent(), config=VoiceLoopConfig(), turn_model=AlwaysComplete())
+    with loop:
+        speech = paused_speech("Hello, | how are you doing today?", 0.45)
+        feed_audio(loop, with_silence(speech, before_s=0.4, after_s=2.0), real_time=True)
+        assert loop.wait_idle(20)
+    turns = [t for t in loop.trace.turns if "speech_end" in t.stamps and t.info.get("status") != "continued"]
+    assert len(turns) == 1, [t.info for t in loop.trace.turns]
+    assert "hello" in turns[0].info["user_text"].lower() and "today" in turns[0].info["user_text"]
+    assert turns[0].info["user_text"].lower().count("hello") == 1
 
 
 def green_then(loop: VoiceLoop, text: str, after_s: float, idle_s: float) -> tuple:

@@ -32,6 +32,19 @@ def clean_transcript(text: str) -> str:
     return text if any(ch.isalnum() for ch in text) else ""
 
 
+def drop_repeated_opening(text: str) -> str:
+    """The text without its last sentences where they only repeat its opening words ("Do you remember my name?
+    Do you remember my name", "Hello? How are you? Hello? How"): Whisper, decoding past the end of a short turn,
+    may start the turn again."""
+    sentences = re.findall(r"[^.!?]+[.!?]*", text)
+    said = lambda parts: re.findall(r"[a-z0-9']+", " ".join(parts).lower())  # noqa: E731
+    for kept in range(len(sentences) - 1, 0, -1):  # the shortest tail first
+        tail, opening = said(sentences[kept:]), said(sentences[:kept])
+        if tail and opening[: len(tail)] == tail:
+            return " ".join(part.strip() for part in sentences[:kept])
+    return text
+
+
 HOP = 160  # Whisper feature frames are 10 ms
 WHISPER_WINDOW_S = 30  # the window Whisper was trained on
 
@@ -112,14 +125,14 @@ class WhisperASR:
     device: str = "auto"
     language: str | None = "en"
     beam_size: int = 1  # greedy: beam search buys nothing audible on short turns and costs time
-    # Two decodes may run at once (a partial and the end-of-turn one). Measured on 2 cores:
-    # alone 0.38 s either way; the second of two overlapping decodes 0.55 s, against
-    # 1.0 s when it has to queue behind the first.
+    # Two decodes may run at once (a partial and the end-of-turn one), so the second need not queue behind the first.
     workers: int = 2
     # Whisper's encoder runs over the first of these windows (seconds of features, instead of its own 30) that
     # holds the turn with 3 s to spare: less work on a CPU for the same words (docs/app.md, "Speech recognition";
-    # transcribe_full is the reference). An 8 s window made Whisper repeat itself, so the output length is capped.
+    # transcribe_full is the reference). The output length is capped, so a decode that repeats itself stops.
     windows_s: tuple[int, ...] = (10, 15)
+    # Over those windows Whisper says "you" to silence and noise; its own no-speech token tells them from speech.
+    no_speech_threshold: float = 0.6
 
     def __post_init__(self) -> None:
         asked = self.device
@@ -149,11 +162,21 @@ class WhisperASR:
         window_s = next((w for w in sorted(self.windows_s) if seconds <= w - 3 and w < WHISPER_WINDOW_S), None)
         if window_s is None:
             return self.transcribe_full(audio)
+        return self.transcribe_window(audio, window_s)
+
+    def transcribe_window(self, audio: np.ndarray, window_s: int) -> str:
+        """Text of the speech in audio (at most window_s seconds), Whisper's encoder run over window_s seconds."""
+        seconds = audio.size / SAMPLE_RATE
+        if audio.size > window_s * SAMPLE_RATE:
+            raise ValueError(f"{seconds:.1f} s of audio does not fit a {window_s} s window")
         import ctranslate2
 
+        # The window is filled with silent audio before the log-mel, as Whisper's own front end does: features
+        # padded with zeros read as a steady sound, and on a short turn Whisper then repeats it ("Hello? Hello?").
         frames = window_s * SAMPLE_RATE // HOP
-        features = self._whisper.feature_extractor(np.ascontiguousarray(audio, dtype=np.float32))
-        features = np.pad(features, ((0, 0), (0, max(0, frames - features.shape[1]))))[:, :frames]
+        padded = np.zeros(window_s * SAMPLE_RATE, np.float32)
+        padded[: audio.size] = audio
+        features = self._whisper.feature_extractor(padded)[:, :frames]
         result = self._whisper.model.generate(
             ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None], dtype=np.float32)),
             [self._prompt],
@@ -161,8 +184,11 @@ class WhisperASR:
             max_length=int(8 * seconds) + 8,
             suppress_blank=True,
             suppress_tokens=[-1],
+            return_no_speech_prob=True,
         )
-        return clean_transcript(self._tokenizer.decode(result[0].sequences_ids[0]))
+        if result[0].no_speech_prob > self.no_speech_threshold:
+            return ""
+        return drop_repeated_opening(clean_transcript(self._tokenizer.decode(result[0].sequences_ids[0])))
 
     def transcribe_full(self, audio: np.ndarray) -> str:
         """faster-whisper's own decode over Whisper's 30 s window (the reference for transcribe)."""

@@ -128,13 +128,26 @@ _ASKS = re.compile(r"^(what|where|when|who|whom|whose|why|how|which|do|does|did|
                    r"remind|read|spell|count|let's|please)\b", re.I)
 
 
+# A greeting, perhaps with a name or "there": said before a question as often as alone.
+_GREETING = re.compile(r"^(hello|hi|hey|hiya|howdy|greetings|good (morning|afternoon|evening))( there| again)?( \w+)?$")
+
+
+def only_a_greeting(text: str) -> bool:
+    """Whether the words are a greeting and nothing more ("Hello?", "Hi there, Ada."). Speech recognition writes
+    a lone "Hello," as "Hello?", and the user often goes on with the question itself."""
+    said = " ".join(re.findall(r"[a-z']+", text.lower()))
+    match = _GREETING.match(said)
+    return bool(match) and not (match.group(4) and _ASKS.match(match.group(4).strip()))
+
+
 def asks_something(text: str) -> bool:
     """Whether the words end on a question or a request, which the character is to answer at once: a question
     mark, or a last clause opened by a question word, an inverted verb or a request ("what is yours", "tell me
     about the moon"). Speech recognition often leaves the question mark off a short question. Words that cannot
-    end a turn (`unfinished_words`) ask nothing yet."""
+    end a turn (`unfinished_words`) ask nothing yet, nor does a greeting alone: it waits as a statement does, in
+    case the question follows."""
     text = text.strip()
-    if not text or unfinished_words(text):
+    if not text or unfinished_words(text) or only_a_greeting(text):
         return False
     if text.endswith("?"):
         return True
