@@ -34,7 +34,7 @@ def llm_device(config: AppConfig) -> str:
 def choose_llm(config: AppConfig, cores: int | None = None) -> tuple[str, str]:
     """llm auto: the 1.5B, except where its replies would come late and the 0.5B is installed: on a machine of
     SMALL_MACHINE_CORES cores or fewer, with the model on the CPU, the engine, speech and the browser leave it
-    too little (replies 0.44 s later than the 0.5B's there, over the 1.5 s target). Returns the model and why."""
+    too little to answer in time (docs/app.md, "Sharing the CPU"). Returns the model and why."""
     from voice.llm import DEFAULT_MODEL, MODELS, installed, runs_on_gpu
 
     if config.llm != "auto":

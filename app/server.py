@@ -84,9 +84,9 @@ def build_api(controller: Controller) -> FastAPI:
 def build_app(controller: Controller):
     """The ASGI app: signalling routes, then Gradio's page at /; recordings may be served for replay.
 
-    Then every object made so far (the models, the page, the libraries: millions of them) is frozen out of the
-    garbage collector's full passes (gc.freeze): a full pass over them held every Python thread, the engine's
-    step and the media loop among them, for 0.1-0.3 s at a time. The collector still frees what sessions make."""
+    Then every object made so far (the models, the page, the libraries) is frozen out of the garbage collector's
+    full passes (gc.freeze): a full pass over them holds every Python thread, the engine's step and the media loop
+    among them, long enough to miss frames. The collector still frees what sessions make."""
     import gradio as gr
 
     from app.ui import build_ui, page_settings
@@ -97,6 +97,7 @@ def build_app(controller: Controller):
                                   **page_settings())
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however many apps a process builds
     atexit.register(gc.unfreeze)  # at exit all is collectable again, as the interpreter's last pass expects
     return app
 

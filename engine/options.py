@@ -33,6 +33,7 @@ from engine.weights import pick_device
 # kernel's named option sets, over the ring's served ones (engine/kernels/fp8_attention_ws.py)
 ATTENTION_P = ("auto", "nearest", "log-linear")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # auto: bfloat16 on CUDA, float32 on the CPU
+GROUP_BLEND = 0.5  # how far each step's first frame goes toward the frame before it, unless a config says otherwise
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class EngineOptions:
     # bf16 matrix instructions, AVX512-BF16 or AMX: cpu_has_bf16; its speed: docs/app.md, "Sharing the CPU")
     dtype: str = "auto"
     # each step's first frame this much the frame made before it (engine/realtime.py, blend_group_start; 0: off)
-    group_blend: float = 0.5
+    group_blend: float = GROUP_BLEND
 
     @property
     def own_processes(self) -> bool:
@@ -101,7 +102,7 @@ class EngineOptions:
         extra += ["hold_when_late"] if self.hold_when_late else []
         extra += [f"threads={self.threads}"] if self.threads is not None else []
         extra += [f"dtype={self.dtype}"] if self.dtype != "auto" else []
-        extra += [f"group_blend={self.group_blend:g}"] if self.group_blend != 0.5 else []
+        extra += [f"group_blend={self.group_blend:g}"] if self.group_blend != GROUP_BLEND else []
         return " ".join([f"{self.name}: cache={self.cache} kv={kv} backend={self.backend} gemm={self.gemm}", *extra])
 
 

@@ -1013,7 +1013,7 @@ class VoiceLoop:
                 turn.trace.mark("tts_first_audio", t)
                 continues = turn.audio_pushed
                 turn.audio_pushed = True
-                # the sink's estimate counts the frames waiting ahead of this audio (0.3-0.5 s in the engine); the
+                # the sink's estimate counts the frames waiting ahead of this audio (the engine's playout lead); the
                 # reply's next audio goes after its last, so it plays no sooner than that ends, whatever the estimate
                 # (each is read off the playout clock when it is pushed, and two readings can differ by a few ms)
                 plays_from = max(self._playout_until, t) if starts is None else max(starts, t)
