@@ -8,8 +8,10 @@
   // Barge-in at the page: the user's voice (the echo-cancelled microphone) this loud for config.interruption_ms
   // while the character's voice played in the last VOICE_RECENT_MS silences the character at once; the server's
   // barge_in confirms it (its own VAD, ~0.2-0.7 s later), and the voice comes back once what was buffered has
-  // drained; unconfirmed (a cough the server ignored), it comes back after UNCONFIRMED_MS.
-  const MIC_SPEECH_RMS = 0.02, VOICE_RECENT_MS = 250, DRAINED_MS = 200, UNCONFIRMED_MS = 1500;
+  // drained: quiet for DRAINED_MS, longer than the pauses inside the reply's own speech (Piper's, at commas and
+  // between sentences, run past 0.4 s), which would otherwise let the cut reply's buffered rest be heard;
+  // unconfirmed (a cough the server ignored), it comes back after UNCONFIRMED_MS.
+  const MIC_SPEECH_RMS = 0.02, VOICE_RECENT_MS = 250, DRAINED_MS = 600, UNCONFIRMED_MS = 1500;
   const state = { pc: null, channel: null, mic: null, ctx: null, timer: null, syncTimer: null, onsets: [], frames: [], pending: new Map(), framesShown: 0,
                   watching: false, startTicket: 0, micCtx: null, micTimer: null, voiceLoudAt: -Infinity,
                   silencedAt: null, silenceConfirmed: false };
