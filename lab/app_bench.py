@@ -95,8 +95,7 @@ def _run_bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     config = build_config(args.config, dict(spec=args.spec, device=args.device, port=free_port(), record=False,
                                             session_log=str(tmp / "sessions.jsonl")))
     questions = QUESTIONS[: args.utterances]
-    speak = piper_speech if args.voice == "piper" else sample_speech
-    wav = conversation_wav(tmp / "questions.wav", [speak(q) for q in questions], gap_s=args.gap_s,
+    wav = conversation_wav(tmp / "questions.wav", [piper_speech(q, varied=True) if args.voice == "piper" else sample_speech(q) for q in questions], gap_s=args.gap_s,
                            noise_rms=args.noise_rms)
     controller = Controller(config)
     if controller.failures():
@@ -174,7 +173,7 @@ def _barge_ins(controller, count: int) -> dict[str, Any]:
     from voice.samples import piper_speech
     from voice.trace import summarize
 
-    question, words = piper_speech(BARGE_IN_QUESTION), piper_speech(BARGE_IN_WORDS)
+    question, words = piper_speech(BARGE_IN_QUESTION, varied=True), piper_speech(BARGE_IN_WORDS, varied=True)
     rows = []
     with sync_playwright() as p:
         browser, page = start_in_browser(p, None, controller.config.port,

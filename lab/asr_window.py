@@ -83,7 +83,7 @@ def run(limit: int | None) -> dict:
     full_seconds: list[float] = []
     cuts = {pad: {"decodes": 0, "repeated": []} for pad in PADS}
     for text in said:
-        speech = piper_speech(text)
+        speech = piper_speech(text, varied=True)
         audio = np.concatenate([silence, speech, silence])
         full, seconds = timed(asr.transcribe_full, audio)
         full_seconds.append(seconds)
@@ -104,7 +104,7 @@ def run(limit: int | None) -> dict:
     # The question that opens most conversations, in several renderings (Piper's speech varies from call to call)
     opening = {pad: [] for pad in PADS}
     for _ in range(OPENING_RENDERINGS):
-        hello = piper_speech(OPENING)
+        hello = piper_speech(OPENING, varied=True)
         for end in OPENING_CUTS_S:
             for pad in PADS:
                 opening[pad].append(decode_window(asr, hello[: int(end * SAMPLE_RATE)], min(asr.windows_s), pad))

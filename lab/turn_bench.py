@@ -59,10 +59,10 @@ MODES = ("silence", "smart_turn")
 TARGET = {"cut_early": 0, "end_of_turn_delay_median_s": 0.25}
 
 
-def paused_speech(text: str, pause_s: float) -> np.ndarray:
+def paused_speech(text: str, pause_s: float, varied: bool = False) -> np.ndarray:
     """Piper's speech of text ("|" removed) with its longest inner silence, the phrase break at the mark,
-    made pause_s long."""
-    audio = piper_speech(text.replace("| ", "").replace("|", ""))
+    made pause_s long; varied as piper_speech's."""
+    audio = piper_speech(text.replace("| ", "").replace("|", ""), varied=varied)
     frame = SAMPLE_RATE // 100
     count = audio.size // frame
     rms = np.sqrt((audio[: count * frame].reshape(count, frame) ** 2).mean(axis=1))
@@ -143,8 +143,8 @@ def run_mode(mode: str, questions: list[tuple[str, np.ndarray, bool]], check_wor
 
 
 def run_bench(modes: tuple[str, ...], check_words: bool = True, statement_delay: float | None = None) -> dict[str, Any]:
-    questions = [(q, piper_speech(q), False) for q in COMPLETE]
-    questions += [(q, paused_speech(q, PAUSES_S[i % len(PAUSES_S)]), True) for i, q in enumerate(PAUSED)]
+    questions = [(q, piper_speech(q, varied=True), False) for q in COMPLETE]
+    questions += [(q, paused_speech(q, PAUSES_S[i % len(PAUSES_S)], varied=True), True) for i, q in enumerate(PAUSED)]
     order = [questions[i // 2 + (i % 2) * len(COMPLETE)] for i in range(len(questions))]  # alternate the two sets
     load_before = os.getloadavg()
     results = [run_mode(mode, order, check_words, statement_delay) for mode in modes]

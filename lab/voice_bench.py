@@ -58,8 +58,7 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     questions = QUESTIONS[: args.utterances]
-    make = espeak_speech if args.speech == "espeak" else piper_speech
-    speech = [make(q) for q in questions]
+    speech = [espeak_speech(q) if args.speech == "espeak" else piper_speech(q, varied=True) for q in questions]
     sink = RecordingSink()
     loop = build_loop(args, sink)
     results: list[dict[str, Any]] = []

@@ -28,11 +28,15 @@ def espeak_speech(text: str, voice: str = "en-us", words_per_minute: int = 165) 
     return to_mono_float32(samples, rate)
 
 
-def piper_speech(text: str, length_scale: float | None = None) -> np.ndarray:
-    """16 kHz mono float32 speech of text from the bundled piper voice."""
+def piper_speech(text: str, length_scale: float | None = None, varied: bool = False) -> np.ndarray:
+    """16 kHz mono float32 speech of text from the bundled piper voice.
+
+    varied=False renders without Piper's sampling noise, so a text gives the same samples on every call and a test
+    that hears it passes or fails the same way each run; vary such speech with length_scale. varied=True samples
+    the noise as the app's voice does (different on every call), for benches that measure over that variety."""
     from .tts import PiperTTS
 
-    tts = PiperTTS(length_scale=length_scale)
+    tts = PiperTTS(length_scale=length_scale, noise=varied)
     return to_mono_float32(tts.synthesize_all(text), tts.sample_rate)
 
 

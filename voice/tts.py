@@ -144,7 +144,10 @@ class PiperTTS:
         use_cuda: bool | None = None,
         length_scale: float | None = None,
         volume: float = 0.9,
+        noise: bool = True,
     ) -> None:
+        """noise=False zeroes the voice's sampling noise (phoneme widths and generator): the same text then gives
+        the same audio on every call."""
         from piper.config import SynthesisConfig
 
         model = Path(model_path) if model_path is not None else default_voice_path()
@@ -154,7 +157,8 @@ class PiperTTS:
             use_cuda = _onnx_cuda_available()
         self.voice = _load_voice(str(model), str(config_path) if config_path else None, use_cuda)
         self.sample_rate: int = int(self.voice.config.sample_rate)
-        self.syn_config = SynthesisConfig(length_scale=length_scale, volume=volume)
+        quiet = None if noise else 0.0
+        self.syn_config = SynthesisConfig(length_scale=length_scale, volume=volume, noise_scale=quiet, noise_w_scale=quiet)
 
     def synthesize(self, text: str) -> Iterator[np.ndarray]:
         """float32 mono audio at self.sample_rate, one array per sentence of text."""
