@@ -188,7 +188,7 @@ class ScriptedLoop:
 def run_bench_main(monkeypatch, capsys, loop: ScriptedLoop, *flags: str) -> tuple[int, dict]:
     import lab.voice_bench
 
-    monkeypatch.setattr(lab.voice_bench, "piper_speech", lambda text: np.full(1600, 0.1, np.float32))
+    monkeypatch.setattr(lab.voice_bench, "piper_speech", lambda text, **_: np.full(1600, 0.1, np.float32))
     monkeypatch.setattr(lab.voice_bench, "build_loop", lambda args, sink: loop)
     monkeypatch.setattr(lab.voice_bench, "feed_audio", lambda loop, audio, real_time, clock=None: loop.feed(audio, clock))
     code = lab.voice_bench.main(["--json", "--turn-timeout", "1", *flags])
@@ -231,7 +231,7 @@ def test_bench_failures_exit_2_with_the_message_and_ctrl_c_exits_130(monkeypatch
         raise KeyboardInterrupt
 
     loop = ScriptedLoop([None])
-    monkeypatch.setattr(lab.voice_bench, "piper_speech", lambda text: np.full(1600, 0.1, np.float32))
+    monkeypatch.setattr(lab.voice_bench, "piper_speech", lambda text, **_: np.full(1600, 0.1, np.float32))
     monkeypatch.setattr(lab.voice_bench, "build_loop", lambda args, sink: loop)
     monkeypatch.setattr(lab.voice_bench, "feed_audio", interrupted)
     try:
