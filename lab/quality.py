@@ -61,6 +61,7 @@ from engine.listen import listening_features
 from engine.options import (
     CONFIG_PRESETS,
     DTYPES,
+    GROUP_BLEND,
     EngineOptions,
     check_options,
     options_device,
@@ -317,16 +318,15 @@ def picture_stats(frames: torch.Tensor) -> dict:
 
 
 # Running the engine -------------------------------------------------------------------------
-def engine_frames(spec, pcm: np.ndarray, preset: str, *, weights: str | None = None, device: str = "cpu",
-                  cache: str = "ring", kv_dtype: str = "fp8",
-                  dtype: str = "auto", group_blend: float = 0.5, seed: int = 0, user: np.ndarray | None = None):
-    """Generate frames for `pcm` with the shipped engine; yields (first_frame, rgb (4, H, W, 3) uint8) per step.
-    With `user`, the character hears the user's voice too (stream_frames).
+ON_CPU = EngineOptions(name="quality", device="cpu")  # the reports' engine when none is given
+
+
+def engine_frames(spec, pcm: np.ndarray, preset: str, options: EngineOptions = ON_CPU, user: np.ndarray | None = None):
+    """Generate frames for `pcm` with the engine the options build; yields (first_frame, rgb (4, H, W, 3) uint8) per
+    step. With `user`, the character hears the user's voice too (stream_frames).
 
     Returns (generator, trained) so callers can stream long sessions without keeping frames.
     """
-    options = EngineOptions(name="lipsync", weights=weights, seed=seed, device=device, cache=cache, kv_dtype=kv_dtype,
-                            dtype=dtype, group_blend=group_blend)
     built = build_engine(options, spec, look=preset)
     return stream_frames(built.character, spec, pcm, built.close, user), built.trained
 
@@ -365,14 +365,14 @@ def stream_frames(character: RealtimeCharacter, spec, pcm: np.ndarray,
             close()
 
 
-def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
-                   cache: str = "ring", kv_dtype: str = "fp8",
-                   dtype: str = "auto", group_blend: float = 0.5, seed: int = 0, max_offset: int = MAX_OFFSET) -> dict:
-    """Generated frames, the renderer's ceiling and the shuffled-audio floor for one clip."""
+def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", options: EngineOptions = ON_CPU, *,
+                   max_offset: int = MAX_OFFSET) -> dict:
+    """Generated frames, the renderer's ceiling and the shuffled-audio floor for one clip; the renderer and the
+    floor's shuffles draw from options.session_seed."""
+    seed = options.session_seed
     n = math.ceil(pcm.size * spec.fps / SAMPLE_RATE)
     env = audio_envelope(pcm, n, spec.fps)
-    gen, trained = engine_frames(spec, pcm, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype,
-                                 dtype=dtype, group_blend=group_blend, seed=seed)
+    gen, trained = engine_frames(spec, pcm, preset, options)
     t0 = time.perf_counter()  # from the first step, as in long_session_report: loading is not stepping
     frames = np.concatenate([rgb for _, rgb in gen])[:n]
     gen_seconds = time.perf_counter() - t0
@@ -391,7 +391,7 @@ def lipsync_report(spec, pcm: np.ndarray, preset: str = "ada", *, weights: str |
         "ratio_to_ceiling": gen_s["score"] / ceil_s["score"] if ceil_s["score"] > 1e-6 else None,
         "motion": motion, "rendered_motion": rendered_motion,
         "generated_picture": picture_stats(generated), "rendered_picture": picture_stats(rendered),
-        "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": device,
+        "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": str(options_device(options)),
     }
 
 
@@ -421,14 +421,13 @@ def listening_scores(change: torch.Tensor, signal: torch.Tensor, fps: int = 24, 
             "above_shuffled": abs(corr) > max(shuffled), "mean_change": float(change.mean())}
 
 
-def listen_report(spec, user: np.ndarray, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
-                  cache: str = "ring", kv_dtype: str = "fp8",
-                  dtype: str = "auto", group_blend: float = 0.5, seed: int = 0, sheet: str | Path | None = None,
-                  every: int = 12, columns: int = 8) -> dict:
+def listen_report(spec, user: np.ndarray, preset: str = "ada", options: EngineOptions = ON_CPU, *,
+                  sheet: str | Path | None = None, every: int = 12, columns: int = 8) -> dict:
     """The character silent while the user speaks `user`: the engine run twice on the same noise, hearing the
     user and not, and each frame's mean absolute difference between the two (0..1) against the user's voice
     (listening_signal); the renderer's own listening motion (engine.character.listen) is the ceiling. With
     `sheet`, a PNG: the unheard row, the heard row and the renderer's, every `every`-th frame."""
+    seed = options.session_seed
     n = math.ceil(user.size * spec.fps / SAMPLE_RATE)
     if n < 4 * spec.fps:
         raise ValueError(f"the user's audio is {n / spec.fps:.1f} s: the report needs at least 4 s")
@@ -436,8 +435,7 @@ def listen_report(spec, user: np.ndarray, preset: str = "ada", *, weights: str |
     user = np.concatenate([user.astype(np.float32), silence])[:silence.size]
     runs = {}
     for name, heard in (("unheard", None), ("heard", user)):
-        gen, trained = engine_frames(spec, silence, preset, weights=weights, device=device, cache=cache,
-                                     kv_dtype=kv_dtype, dtype=dtype, group_blend=group_blend, seed=seed, user=heard)
+        gen, trained = engine_frames(spec, silence, preset, options, user=heard)
         runs[name] = torch.from_numpy(np.concatenate([rgb for _, rgb in gen])[:n])
     states = ch.frame_states(ch.mouth_from_audio(silence, n, spec.fps), seed, 0, spec.fps)
     listening = listening_features(user, spec.fps)[:n]
@@ -450,7 +448,8 @@ def listen_report(spec, user: np.ndarray, preset: str = "ada", *, weights: str |
 
     report = {"spec": spec.name, "preset": preset, "frames": n, "seconds": n / spec.fps, "trained_weights": trained,
               "generated": listening_scores(change(runs), signal, spec.fps, seed=seed),
-              "rendered": listening_scores(change(rendered), signal, spec.fps, seed=seed), "device": device}
+              "rendered": listening_scores(change(rendered), signal, spec.fps, seed=seed),
+              "device": str(options_device(options))}
     if sheet is not None:
         rows = [runs["unheard"].numpy(), runs["heard"].numpy(), rendered["heard"].numpy()]
         write_png(sheet, contact_sheet(rows, every, columns))
@@ -459,7 +458,8 @@ def listen_report(spec, user: np.ndarray, preset: str = "ada", *, weights: str |
     return report
 
 
-def clip_reports(spec, pcm: np.ndarray, clips: int, preset: str, min_seconds: float, **kwargs) -> dict:
+def clip_reports(spec, pcm: np.ndarray, clips: int, preset: str, min_seconds: float, options: EngineOptions = ON_CPU,
+                 *, max_offset: int = MAX_OFFSET) -> dict:
     """The audio cut into `clips` equal clips, each run and scored on its own (a fresh session): each clip's
     score, share of the ceiling, best offset and motion, and on how many the best offset is 0."""
     size = pcm.size // clips
@@ -467,7 +467,7 @@ def clip_reports(spec, pcm: np.ndarray, clips: int, preset: str, min_seconds: fl
         raise ValueError(f"{clips} clips of {size / SAMPLE_RATE:.2f} s: each needs at least {min_seconds:.1f} s")
     out = []
     for i in range(clips):
-        r = lipsync_report(spec, pcm[i * size:(i + 1) * size], preset, **kwargs)
+        r = lipsync_report(spec, pcm[i * size:(i + 1) * size], preset, options, max_offset=max_offset)
         out.append({"seconds": r["seconds"], "score": r["generated"]["score"], "ratio_to_ceiling": r["ratio_to_ceiling"],
                     "best_offset": r["generated"]["best_offset"], "ceiling_best_offset": r["ceiling"]["best_offset"],
                     "within_to_across": r["motion"]["within_to_across"],
@@ -475,9 +475,8 @@ def clip_reports(spec, pcm: np.ndarray, clips: int, preset: str, min_seconds: fl
     return {"clips": out, "best_offset_zero": sum(c["best_offset"] == 0 for c in out), "of": clips}
 
 
-def idle_report(spec, seconds: float, preset: str = "ada", *, weights: str | None = None, device: str = "cpu",
-                cache: str = "ring", kv_dtype: str = "fp8",
-                dtype: str = "auto", group_blend: float = 0.5, seed: int = 0, still_threshold: float = STILL_THRESHOLD) -> dict:
+def idle_report(spec, seconds: float, preset: str = "ada", options: EngineOptions = ON_CPU, *,
+                still_threshold: float = STILL_THRESHOLD) -> dict:
     """The engine on silence for `seconds` (built as lipsync builds it), against the renderer's own idle frames
     (head sway, gaze, blinks, mouth closed: engine.character) for as long, the ceiling: idle_motion_stats of both.
     The target: no window of STILL_TARGET_S without motion, and blinks as often as the renderer's."""
@@ -485,29 +484,24 @@ def idle_report(spec, seconds: float, preset: str = "ada", *, weights: str | Non
     if n < 2 * spec.fps:
         raise ValueError(f"--seconds {seconds:g} is too short: the report needs at least 2 s")
     silence = np.zeros(frame_sample(n, spec.fps), np.float32)
-    gen, trained = engine_frames(spec, silence, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype,
-                                 dtype=dtype, group_blend=group_blend, seed=seed)
+    gen, trained = engine_frames(spec, silence, preset, options)
     t0 = time.perf_counter()
     generated = torch.from_numpy(np.concatenate([rgb for _, rgb in gen])[:n])
     gen_seconds = time.perf_counter() - t0
-    rendered, states = ch.render_audio(silence, preset, seed=seed, size=spec.image_size, n_frames=n)
+    rendered, states = ch.render_audio(silence, preset, seed=options.session_seed, size=spec.image_size, n_frames=n)
     ceiling = idle_motion_stats(rendered, preset, spec.fps, still_threshold)
     ceiling["blinks_in_state"] = len(detect_blinks(1.0 - states[:, ch.S["blink"]], dip=0.5))
     return {
         "spec": spec.name, "preset": preset, "seconds": n / spec.fps, "frames": n, "trained_weights": trained,
         "still_threshold": still_threshold, "still_target_s": STILL_TARGET_S,
         "generated": idle_motion_stats(generated, preset, spec.fps, still_threshold), "rendered": ceiling,
-        "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": device,
+        "steps_per_second": math.ceil(n / spec.frames_per_latent) / gen_seconds, "device": str(options_device(options)),
     }
 
 
-def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ada", *, weights: str | None = None,
-                        device: str = "cpu", cache: str = "ring", kv_dtype: str = "fp8",
-                        dtype: str = "auto", group_blend: float = 0.5, seed: int = 0,
-                        max_offset: int = MAX_OFFSET, progress=None, config: "EngineOptions | None" = None) -> dict:
+def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ada", options: EngineOptions = ON_CPU, *,
+                        max_offset: int = MAX_OFFSET, progress: Callable[[dict], None] | None = None) -> dict:
     """The clip looped (with 1 s of silence between repeats) for `minutes`; metric and picture per minute.
-
-    With `config`, frames come from that engine configuration (sampling noise from `seed`, weights fixed).
 
     Per minute: the lip-sync scores, mean brightness, sharpness and `ref_diff`, the mean absolute
     difference (0..255) from the reference picture (identity drift shows as a rising value).
@@ -525,11 +519,7 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
     mouth = torch.zeros(n)
     stats: list[list[dict]] = []
     reference = ch.reference_image(preset, spec.image_size).float()
-    if config is not None:
-        gen, trained = config_frames(config, spec, looped, preset, noise_seed=seed, weights=weights)
-    else:
-        gen, trained = engine_frames(spec, looped, preset, weights=weights, device=device, cache=cache, kv_dtype=kv_dtype,
-                                 dtype=dtype, group_blend=group_blend, seed=seed)
+    gen, trained = engine_frames(spec, looped, preset, options)
     t0 = time.perf_counter()
     for first, rgb in gen:
         rgb_t = torch.from_numpy(rgb)[: max(0, n - first)]
@@ -552,25 +542,22 @@ def long_session_report(spec, pcm: np.ndarray, minutes: float, preset: str = "ad
     seconds = time.perf_counter() - t0
     first_m, last_m = rows[0], rows[-1]
     n_ceiling = min(n, per_minute)
-    rendered, _ = ch.render_audio(looped, preset, seed=seed, size=spec.image_size, n_frames=n_ceiling)
+    rendered, _ = ch.render_audio(looped, preset, seed=options.session_seed, size=spec.image_size, n_frames=n_ceiling)
     return {
         "spec": spec.name, "preset": preset, "minutes": minutes, "trained_weights": trained, "per_minute": rows,
         "first_vs_last": {k: {"first": first_m[k], "last": last_m[k], "change": last_m[k] - first_m[k]}
                           for k in ("score", "confidence", "brightness", "sharpness", "ref_diff")},
         "ceiling_first_minute": sync_scores(mouth_opening(rendered, preset), env[:n_ceiling], max_offset),
         "steps_per_second": math.ceil(n / spec.frames_per_latent) / seconds,
-        "device": str(options_device(config)) if config is not None else device,
-        "config": (config.describe() if config is not None
-                   else f"cache={cache} kv={kv_dtype} dtype={dtype} group_blend={group_blend:g}"),
-        "position_resets": _resets(spec, math.ceil(n / spec.frames_per_latent), config, cache),
+        "device": str(options_device(options)), "config": options.describe(),
+        "position_resets": _resets(spec, math.ceil(n / spec.frames_per_latent), options),
     }
 
 
-def _resets(spec, steps: int, config, cache: str) -> int:
+def _resets(spec, steps: int, options: EngineOptions) -> int:
     """Position resets the session went through (the ring cache rotates its keys back every `reset_every` steps)."""
-    ring = (config.cache if config is not None else cache) == "ring"
-    every = spec.reset_interval(config.reset_every if config is not None else None)
-    return steps // every if ring and every > 0 else 0
+    every = spec.reset_interval(options.reset_every)
+    return steps // every if options.cache == "ring" and every > 0 else 0
 
 
 DRIFT_LIMITS = {"score_drop": 0.08, "level_change": 8.0, "sharpness_change": 0.25}
@@ -603,9 +590,12 @@ def drift_verdict(report: dict, limits: dict | None = None) -> dict:
 def config_frames(config: EngineOptions, spec, pcm: np.ndarray, look: str, *, noise_seed: int,
                   weights: str | None = None, weights_seed: int = 0):
     """Frames for `pcm` under `config`, streamed: (generator of (first_frame, rgb (4, H, W, 3) uint8), trained)."""
-    options = replace(config, weights=weights, seed=weights_seed, noise_seed=noise_seed)  # weights fixed, noise varied
-    built = build_engine(options, spec, look=look)
-    return stream_frames(built.character, spec, pcm, built.close), built.trained
+    return engine_frames(spec, pcm, look, varied_noise(config, noise_seed, weights, weights_seed))
+
+
+def varied_noise(config: EngineOptions, noise_seed: int, weights: str | None = None, weights_seed: int = 0) -> EngineOptions:
+    """config with its weights fixed (the checkpoint, or random ones from weights_seed) and its noise from noise_seed."""
+    return replace(config, weights=weights, seed=weights_seed, noise_seed=noise_seed)
 
 
 # Compare: a numerics change against the spread of reruns ------------------------------------
@@ -764,27 +754,30 @@ def contact_sheet(rows: list[np.ndarray], every: int, columns: int) -> np.ndarra
     return np.concatenate(out, axis=0)
 
 
-def sheet(spec, pcm: np.ndarray, presets: list[str], out: str | Path, *, every: int = 6, columns: int = 8,
-          with_renderer: bool = True, **engine_kwargs) -> dict:
+def sheet(spec, pcm: np.ndarray, presets: list[str], out: str | Path, options: EngineOptions = ON_CPU, *,
+          every: int = 6, columns: int = 8, with_renderer: bool = True) -> dict:
     """Generated frames of each preset (and the renderer's own, for comparison) as a PNG."""
     n = every * columns
     need = math.ceil(n / spec.fps * SAMPLE_RATE)
     pcm = np.concatenate([pcm, np.zeros(max(0, need - pcm.size), np.float32)])[:need]
     rows, trained = [], False
     for preset in presets:
-        gen, trained = engine_frames(spec, pcm, preset, **engine_kwargs)
+        gen, trained = engine_frames(spec, pcm, preset, options)
         rows.append(np.concatenate([rgb for _, rgb in gen])[:n])
         if with_renderer:
-            rows.append(ch.render_audio(pcm, preset, seed=engine_kwargs.get("seed", 0), size=spec.image_size, n_frames=n)[0].numpy())
+            rows.append(ch.render_audio(pcm, preset, seed=options.session_seed, size=spec.image_size, n_frames=n)[0].numpy())
     write_png(out, contact_sheet(rows, every, columns))
     return {"out": str(out), "presets": presets, "rows": len(rows), "frames_every": every, "trained_weights": trained,
             "layout": "per preset: generated row, then the renderer's row" if with_renderer else "generated rows"}
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The report functions' engine keywords from the arguments engine_arguments adds."""
-    return dict(weights=args.weights, device=str(pick_device(args.device)), cache=args.cache, kv_dtype=args.kv_dtype,
-                dtype=args.dtype, group_blend=args.group_blend, seed=args.seed)
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The reports' engine from the arguments engine_arguments adds (a sheet's: weights, device and seed only)."""
+    plain = EngineOptions()
+    return EngineOptions(name=args.cmd, weights=args.weights, device=str(pick_device(args.device)), seed=args.seed,
+                         cache=getattr(args, "cache", plain.cache), kv_dtype=getattr(args, "kv_dtype", plain.kv_dtype),
+                         dtype=getattr(args, "dtype", plain.dtype),
+                         group_blend=getattr(args, "group_blend", plain.group_blend))
 
 
 def engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -796,7 +789,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="fp8", choices=sorted(KV_DTYPES))
     parser.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                         help="the model's and codec's numbers (auto: bfloat16 on CUDA, float32 on the CPU)")
-    parser.add_argument("--group-blend", type=float, default=0.5,
+    parser.add_argument("--group-blend", type=float, default=GROUP_BLEND,
                         help="each step's first frame this much the frame before it (0: as the codec draws it)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -871,15 +864,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("listen", "idle"):
         try:
             ch.get_look(args.preset)
-            engine = engine_kwargs(args)
+            engine = engine_options(args)
             if args.cmd == "listen":
                 user = read_audio(args.audio, max_seconds=args.max_seconds)
-                report = listen_report(get_spec(args.spec), user, args.preset, sheet=args.sheet, every=args.every, **engine)
+                report = listen_report(get_spec(args.spec), user, args.preset, engine, sheet=args.sheet, every=args.every)
             else:
                 if not args.seconds > 0 or not args.still_threshold > 0:
                     raise ValueError("--seconds and --still-threshold must be positive")
-                report = idle_report(get_spec(args.spec), args.seconds, args.preset, still_threshold=args.still_threshold,
-                                     **engine)
+                report = idle_report(get_spec(args.spec), args.seconds, args.preset, engine,
+                                     still_threshold=args.still_threshold)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -902,12 +895,10 @@ def main(argv: list[str] | None = None) -> int:
             presets = [x.strip() for x in args.presets.split(",") if x.strip()]
             for name in presets:
                 ch.get_look(name)
-            device = pick_device(args.device)
             if Path(args.out).is_dir():
                 raise ValueError(f"--out {args.out} is a folder: give the PNG file to write, e.g. sheet.png")
             pcm = read_audio(args.audio, max_seconds=600)
-            info = sheet(spec, pcm, presets, args.out, every=args.every, columns=args.columns, weights=args.weights,
-                         device=str(device), seed=args.seed)
+            info = sheet(spec, pcm, presets, args.out, engine_options(args), every=args.every, columns=args.columns)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -916,19 +907,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = get_spec(args.spec)
         ch.get_look(args.preset)
-        kwargs = {**engine_kwargs(args), "max_offset": args.max_offset}
+        engine = engine_options(args)
         pcm = read_audio(args.audio, max_seconds=args.max_seconds)
         min_seconds = (2 * args.max_offset + 8) / spec.fps
         if pcm.size < min_seconds * SAMPLE_RATE:
             raise ValueError(f"{args.audio} is {pcm.size / SAMPLE_RATE:.2f} s; the metric needs at least {min_seconds:.1f} s")
         if args.minutes:
             progress = (lambda d: print(json.dumps(d), file=sys.stderr, flush=True))
-            report = long_session_report(spec, pcm, args.minutes, args.preset, progress=progress, **kwargs)
+            report = long_session_report(spec, pcm, args.minutes, args.preset, engine, max_offset=args.max_offset,
+                                         progress=progress)
             report["drift"] = drift_verdict(report)
         else:
-            report = lipsync_report(spec, pcm, args.preset, **kwargs)
+            report = lipsync_report(spec, pcm, args.preset, engine, max_offset=args.max_offset)
             if args.clips > 1:
-                report["clips"] = clip_reports(spec, pcm, args.clips, args.preset, min_seconds, **kwargs)
+                report["clips"] = clip_reports(spec, pcm, args.clips, args.preset, min_seconds, engine,
+                                               max_offset=args.max_offset)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -967,8 +960,8 @@ def _drift_cli(args) -> dict:
             raise ValueError(f"{args.audio} holds no sound: nothing for the mouth to follow")
     else:
         pcm = speech_clip(args.seed, 8.0, default_audio_source())
-    report = long_session_report(spec, pcm, args.minutes, args.preset, weights=args.weights, seed=args.seed,
-                                 max_offset=args.max_offset, progress=_progress, config=config)
+    report = long_session_report(spec, pcm, args.minutes, args.preset, varied_noise(config, args.seed, args.weights),
+                                 max_offset=args.max_offset, progress=_progress)
     report["drift"] = drift_verdict(report, {"score_drop": args.max_score_drop, "level_change": args.max_level_change})
     report["audio"] = args.audio or f"speech made from seed {args.seed}"
     return report
