@@ -131,6 +131,30 @@ def test_a_reply_stops_after_three_sentences_unless_more_is_asked(llm):
     assert text.strip() and text.strip().count(". ") == 0
 
 
+class _ListingLLM:
+    """Writes a numbered list a few characters at a time, as a small model asked for a book does."""
+
+    context_tokens = 2048
+    TEXT = ('Here are a few:\n\n1. "The Great Gatsby" by F. Scott Fitzgerald\n2. "Emma" by Jane Austen\n'
+            '3. "Dune" by Frank Herbert\n4. "Ulysses" by James Joyce\n')
+    written = 0
+
+    def count_tokens(self, text: str) -> int:
+        return len(text) // 4
+
+    def complete(self, prompt, max_tokens, temperature, stop, cancelled=None):
+        for i in range(0, len(self.TEXT), 3):
+            self.written = i + 3
+            yield self.TEXT[i:i + 3]
+
+
+def test_a_listed_reply_stops_after_three_items_said_and_not_at_a_number():
+    """Three sentences as the voice says them: the lead-in and two books; generation stops there."""
+    llm = _ListingLLM()
+    reply = "".join(LocalLLMAgent(llm).stream_reply("Can you recommend a good book?"))
+    assert reply.rstrip().endswith("Jane Austen") and llm.written < len(llm.TEXT) - 40, reply
+
+
 def test_the_window_slides_in_steps_so_the_prompt_prefix_holds(llm):
     agent = LocalLLMAgent(llm, max_history_turns=4, history_slide=2)
     history = [(f"q{i}", f"a{i}") for i in range(9)]

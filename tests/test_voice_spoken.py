@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from voice.spoken import integer_words, ordinal_words, say_figures, spoken_stream, year_words
+from voice.spoken import integer_words, ordinal_words, say_figures, sentence_ends, spoken_stream, year_words
+from voice.tts import split_sentences
 
 
 @pytest.mark.parametrize("n, words", [
@@ -63,3 +64,17 @@ def test_text_is_released_as_soon_as_a_word_is_whole():
 
 def test_a_figure_waits_for_its_unit():
     assert "".join(spoken_stream(["It is 3 ", "km away."])).strip() == "It is three kilometres away."
+
+
+def test_sentence_ends_count_the_sentences_the_voice_says():
+    """A reply's sentences counted on its raw text (where the agent stops a reply) are the sentences it is said in:
+    a list item ends one at its line break, and neither an item's number nor an initial ends one."""
+    for reply in (LIST_REPLY, "My pick:\n1. The Great Gatsby by F. Scott Fitzgerald\n2. Emma by Jane Austen.\n",
+                  "Ask Dr. Lee. She knows e.g. the moon. So do I. "):
+        said = list(split_sentences(spoken_stream([reply])))
+        assert len(sentence_ends(reply + "\n")) == len(said), (reply, said)
+
+
+def test_a_reply_cut_after_a_list_number_does_not_say_the_number():
+    assert "".join(spoken_stream(["Two books:\n1. Emma\n2."])).strip() == "Two books. Emma."
+    assert "".join(spoken_stream(["5."])).strip() == "five."  # a reply that is only a figure is said

@@ -55,6 +55,11 @@ def test_splitter_releases_sentences_as_soon_as_they_are_complete():
     assert splitter.flush() == []
 
 
+def test_an_initial_a_title_or_an_abbreviation_ends_no_sentence():
+    said = list(split_sentences(["Read Emma by J. Austen with Dr. Lee, e.g. on Sunday. ", "So did I. Then we ", "left."]))
+    assert said == ["Read Emma by J. Austen with Dr. Lee, e.g. on Sunday.", "So did I.", "Then we left."]
+
+
 def test_splitter_keeps_numbers_and_cuts_long_clauses():
     assert list(split_sentences(["Pi is 3.14 or so. ", "Done"])) == ["Pi is 3.14 or so.", "Done"]
     long_clause = "one two three four five six seven eight nine ten eleven twelve, and then more words."

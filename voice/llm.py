@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .personas import DEFAULT_PERSONA, EXAMPLE_EXCHANGES, Persona, system_prompt
+from .spoken import sentence_ends
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,6 @@ class LocalLLM:
 
 _ASKS_TIME = re.compile(r"\b(time|clock|hour|o'clock)\b", re.I)
 _MORE_WANTED = re.compile(r"\b(story|stories|in detail|explain|tell me more|describe|step by step|all about)\b", re.I)
-_SENTENCE_END = re.compile(r"[.!?…][\"')\]]*(?=\s)")
 
 
 class LocalLLMAgent:
@@ -420,10 +420,10 @@ class LocalLLMAgent:
         with contextlib.closing(completion):  # ends generation and frees the model however the reply ends
             for chunk in completion:
                 text += chunk
-                ends = list(_SENTENCE_END.finditer(text))
+                ends = sentence_ends(text)
                 if len(ends) >= limit:
                     # the last sentence allowed is complete: say up to its end, generate no more
-                    end = ends[limit - 1].end()
+                    end = ends[limit - 1]
                     keep = chunk[: max(0, len(chunk) - (len(text) - end))]
                     if keep:
                         yield keep

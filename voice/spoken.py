@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-from .tts import clean_for_speech
+from .tts import clean_for_speech, ends_a_sentence
 
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
          "sixteen seventeen eighteen nineteen").split()
@@ -151,6 +151,26 @@ _ENDS_CLAUSE = re.compile(r"[,;:]$")
 _TRAILING_FIGURE = re.compile(r"[$£€]?[-−]?\d[\d.,:]*\s+$")
 
 
+_END_MARK = re.compile(r"[.!?…][\"')\]]*(?=\s)")
+_BARE_MARKER = re.compile(r"^\s*(?:[-*+•]|\d{1,2}[.)])\s*$")
+
+
+def sentence_ends(text: str) -> list[int]:
+    """Where the sentences of raw reply text end as the voice will say them (SpokenText): just past end
+    punctuation that ends a sentence (tts.ends_a_sentence: not "F. Scott", not a list item's "2.") and is followed
+    by whitespace, and at each line break after a line that said something without it (a list item "1. Tea",
+    or "Here are three:")."""
+    ends = [m.end() for m in _END_MARK.finditer(text) if ends_a_sentence(text, m.start())]
+    start = 0
+    for line in text.split("\n")[:-1]:
+        lead = _LINE_LEAD.match(line)
+        said = line[lead.end():].strip() if lead else line.strip()
+        if said and not _ENDS_SENTENCE.search(said):
+            ends.append(start + len(line))
+        start += len(line) + 1
+    return sorted(ends)
+
+
 def for_speech(text: str) -> str:
     """A piece of reply text with its markup gone and its figures in words, whitespace collapsed."""
     # Markup first (it holds * and # that would otherwise read as words), then the figures.
@@ -170,6 +190,7 @@ class SpokenText:
         self._line_start = True  # nothing of the current line said yet
         self._last = ""  # the text said last in the current line
         self._space_owed = False  # the last piece said wants a space before the next
+        self._listing = False  # a line began with a list marker
 
     def push(self, chunk: str) -> str:
         self._buffer += chunk
@@ -192,10 +213,13 @@ class SpokenText:
         return self._say(text, line_ends=True)
 
     def _say(self, text: str, line_ends: bool) -> str:
+        if self._line_start and self._listing and line_ends and _BARE_MARKER.match(text):
+            text = ""  # the next item's number, and the reply ended before its words: "2."
         if self._line_start and text.strip():
             lead = _LINE_LEAD.match(text)
             if lead:
                 text = text[lead.end():]
+                self._listing = self._listing or not lead.group().strip().startswith(("#", ">"))
             self._line_start = False
         spoken = for_speech(text)
         if line_ends and (spoken or self._last) and not _ENDS_SENTENCE.search(spoken or self._last):

@@ -17,6 +17,8 @@ import numpy as np
 
 # End of a sentence: terminal punctuation (plus closing quotes/brackets) and then whitespace.
 _SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*\s+|\n+")
+# Words whose full stop ends no sentence: titles and abbreviations a reply puts before more words.
+_ABBREVIATIONS = frozenset("mr mrs ms dr prof st mt jr sr vs e.g i.e approx".split())
 # A long clause may be cut at a comma so the first audio of a long sentence is not late.
 _CLAUSE_END = re.compile(r"[,;:]\s+")
 # < and > are kept: alone they are comparisons ("x < y"); in a tag, _TAG takes them.
@@ -38,6 +40,21 @@ _PICTOGRAPHS = re.compile(
 # Joiners, variation selectors, skin-tone modifiers, keycap marks and tag letters that hold emoji sequences together
 _EMOJI_PARTS = re.compile("[\u200d\u20e3\ufe0e\ufe0f\U0001f3fb-\U0001f3ff\U000e0020-\U000e007f]")
 _WORD_GAP = re.compile(r"\s+")
+
+
+def ends_a_sentence(text: str, stop: int) -> bool:
+    """Whether the punctuation mark at text[stop] ends a sentence. A full stop does not after an initial
+    ("F. Scott"), a title or abbreviation ("Dr. Lee", "e.g. tea"), or a list item's number alone at the start of
+    its line ("2. Milk"), so none of them cuts a sentence in two."""
+    if text[stop] != ".":
+        return True
+    line = text[:stop].rsplit("\n", 1)[-1]
+    if line.strip().isdigit():
+        return False
+    word = line.rsplit(None, 1)[-1].lstrip("\"'([") if line.strip() else ""
+    if len(word) == 1 and word.isupper() and word != "I":
+        return False
+    return word.lower() not in _ABBREVIATIONS
 
 
 def clean_for_speech(text: str) -> str:
@@ -74,7 +91,8 @@ class SentenceSplitter:
         self._buffer += chunk
         out: list[str] = []
         while True:
-            match = _SENTENCE_END.search(self._buffer)
+            match = next((m for m in _SENTENCE_END.finditer(self._buffer) if ends_a_sentence(self._buffer, m.start())),
+                         None)
             end = match.end() if match is not None else self._long_clause()
             if end is None:
                 end = self._long_run()
