@@ -9,7 +9,7 @@ import pytest
 import voice.llm as llm_module
 from voice.agent import ReplyAgent
 from lab.agent_bench import CONVERSATIONS, T, run_conversations, score
-from voice.llm import MODELS, LocalLLM, LocalLLMAgent, ModelPackage, model_file
+from voice.llm import MODELS, LocalLLM, LocalLLMAgent, ModelPackage, model_file, user_name
 from voice.personas import EXAMPLE_EXCHANGES, PERSONAS
 
 
@@ -153,6 +153,23 @@ def test_a_listed_reply_stops_after_three_items_said_and_not_at_a_number():
     llm = _ListingLLM()
     reply = "".join(LocalLLMAgent(llm).stream_reply("Can you recommend a good book?"))
     assert reply.rstrip().endswith("Jane Austen") and llm.written < len(llm.TEXT) - 40, reply
+
+
+@pytest.mark.parametrize("said, name", [
+    (["Hi Ada, my name is Sam."], "Sam"), (["Hello, I'm Priya and I love cooking."], "Priya"),
+    (["my name is sam", "What is the moon made of?"], "Sam"), (["My name is Sam.", "No, call me Sammy."], "Sammy"),
+    (["Hello, I'm fine, thanks."], None), (["My name is not important."], None), (["What's my name?"], None)])
+def test_the_user_name_is_the_last_one_they_gave(said, name):
+    assert user_name(said) == name
+
+
+def test_a_question_about_the_users_own_name_carries_the_name_they_gave():
+    agent = LocalLLMAgent(_ListingLLM())
+    history = [("Hi, my name is Sam.", "Hi Sam!"), ("What is the moon made of?", "Mostly rock.")]
+    asked = agent.prompt("Do you remember my name?", history)
+    assert asked.endswith("Do you remember my name?\n(They told you their name: Sam.)<|im_end|>\n<|im_start|>assistant\n")
+    assert "They told you" not in agent.prompt("What is your name?", history)
+    assert "They told you" not in agent.prompt("Do you remember my name?", history[1:])
 
 
 def test_the_window_slides_in_steps_so_the_prompt_prefix_holds(llm):

@@ -325,6 +325,22 @@ class LocalLLM:
 
 
 _ASKS_TIME = re.compile(r"\b(time|clock|hour|o'clock)\b", re.I)
+# The user saying their name ("My name is Sam.", "Call me Sam.", "Hi, I'm Priya and ...": a capitalised word after a
+# greeting), and asking for it back. A small model asked "What's my name?" mixes up whose name is whose.
+_NAME = r"(?!(?i:not|a|an|the|just)\b)([A-Z][A-Za-z'-]+)"
+_SAYS_NAME = re.compile(rf"\b(?i:my name is|my name's|call me|i'm called|i am called)\s+{_NAME.replace('[A-Z]', '[A-Za-z]')}"
+                        rf"|^\W*(?i:hi|hello|hey)\b[^.?!]*?\b(?i:i'm|i am)\s+{_NAME}")
+_ASKS_OWN_NAME = re.compile(r"\b(my name|who i am|what i'm called|what am i called)\b", re.I)
+
+
+def user_name(said: Sequence[str]) -> str | None:
+    """The name the user last gave for themselves in what they said, in order; None if they gave none."""
+    name = None
+    for text in said:
+        for match in _SAYS_NAME.finditer(text.strip()):
+            said_name = match.group(1) or match.group(2)
+            name = said_name[0].upper() + said_name[1:]
+    return name
 _MORE_WANTED = re.compile(r"\b(story|stories|in detail|explain|tell me more|describe|step by step|all about)\b", re.I)
 
 
@@ -379,7 +395,8 @@ class LocalLLMAgent:
         """ChatML: the system prompt (with today's date), the kept exchanges, then the user's turn opened for the
         reply. With user_text None: the prefix that the next turn's prompt starts with; with whole False: the
         prefix while the user is still speaking (their turn not closed). A question about the time gets the
-        time beside it, in this turn only, so the cached prefix stays the same all day."""
+        time beside it, in this turn only, so the cached prefix stays the same all day; one about the user's own name
+        gets the name they gave earlier (user_name), the same way."""
         now = self.clock()
         today = f"Today is {now.strftime('%A')}, {now.day} {now.strftime('%B %Y')}."
         parts = [f"{self.IM_START}system\n{self.system_prompt} {today}{self.IM_END}\n"]
@@ -392,6 +409,9 @@ class LocalLLMAgent:
         elif user_text is not None:
             if _ASKS_TIME.search(user_text):
                 user_text += f"\n(The time now is {now.strftime('%I:%M %p').lstrip('0')}.)"
+            name = user_name([said for said, _ in history]) if _ASKS_OWN_NAME.search(user_text) else None
+            if name is not None and not _SAYS_NAME.search(user_text):
+                user_text += f"\n(They told you their name: {name}.)"
             parts.append(f"{self.IM_START}user\n{user_text}{self.IM_END}\n{self.IM_START}assistant\n")
         prompt = "".join(parts)
         # A conversation longer than the context fits drops its oldest exchanges.
