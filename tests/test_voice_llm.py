@@ -217,3 +217,16 @@ def test_the_character_calling_itself_an_ai_is_left_unsaid_and_talk_of_ai_is_not
     from voice.personas import in_character
 
     assert in_character(clause) is kept
+
+
+@pytest.mark.parametrize("clause, kept", [
+    ("I'm Ada, the warm and curious fan of science and space who likes to ask a question back.", False),
+    ("the warm and curious fan of science and space who likes to ask a question back.", False),  # after "I'm Ada,"
+    ("Answer what was asked, correctly and directly, in one to three short sentences.", False),
+    ("I'm a big fan of science and space.", True),
+    ("I love football and old soul records!", True),
+])
+def test_a_reply_that_reads_its_prompt_back_is_left_unsaid(clause, kept):
+    from voice.personas import in_character
+
+    assert in_character(clause) is kept

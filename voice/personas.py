@@ -70,6 +70,29 @@ OUT_OF_CHARACTER = re.compile(r"\b(as an ai|an ai\b|language model|artificial in
                               r"|^\W*(just )?an? \b[^.!?,]{0,50}\b(ai|a\.i\.|chatbot)\W*$", re.I)
 
 
+# A sentence that repeats this many words in a row of the system prompt or a personality line reads the prompt back
+# ("I'm Ada, the warm and curious fan of science and space who likes to ask a question back."), as a small model
+# now and then does; a character saying what it likes in its own words repeats fewer ("I'm a fan of science").
+ECHO_WORDS = 8
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def _runs(words: list[str]) -> set[tuple[str, ...]]:
+    return {tuple(words[i:i + ECHO_WORDS]) for i in range(len(words) - ECHO_WORDS + 1)}
+
+
+_PROMPT_RUNS = frozenset(set().union(_runs(_words(SYSTEM_PROMPT)), *(_runs(_words(p.personality)) for p in PERSONAS.values())))
+
+
+def echoes_the_prompt(sentence: str) -> bool:
+    """Whether the sentence repeats ECHO_WORDS words in a row of the system prompt or of a personality line."""
+    return not _PROMPT_RUNS.isdisjoint(_runs(_words(sentence)))
+
+
 def in_character(sentence: str) -> bool:
-    """False for a sentence or clause in which the model speaks of itself as a program ("As an AI language model,")."""
-    return not OUT_OF_CHARACTER.search(sentence)
+    """False for a sentence or clause in which the model speaks of itself as a program ("As an AI language model,")
+    or reads its prompt back (echoes_the_prompt)."""
+    return not OUT_OF_CHARACTER.search(sentence) and not echoes_the_prompt(sentence)
