@@ -27,7 +27,7 @@ import numpy as np
 from lab.agent_bench import CONVERSATIONS
 from lab.turn_bench import COMPLETE, PAUSED
 from lab.voice_bench import QUESTIONS
-from voice.asr import HOP, SAMPLE_RATE, WhisperASR, clean_transcript
+from voice.asr import HOP, SAMPLE_RATE, WhisperASR
 from voice.samples import piper_speech
 
 REPEAT = re.compile(r"\b(\w+(?:\W+\w+){0,3})\W+\1\b", re.I)
@@ -52,16 +52,10 @@ def decode_window(asr: WhisperASR, audio: np.ndarray, window_s: int, pad: str) -
     features padded with zeros and without the no-speech check, as it was served before."""
     if pad == "audio":
         return asr.transcribe_window(audio, window_s)
-    import ctranslate2
-
     frames = window_s * SAMPLE_RATE // HOP
-    features = asr._whisper.feature_extractor(np.ascontiguousarray(audio, np.float32))
+    features = asr.log_mel(audio)
     features = np.pad(features, ((0, 0), (0, max(0, frames - features.shape[1]))))[:, :frames]
-    result = asr._whisper.model.generate(
-        ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None], np.float32)), [asr._prompt],
-        beam_size=asr.beam_size, max_length=int(8 * audio.size / SAMPLE_RATE) + 8, suppress_blank=True,
-        suppress_tokens=[-1])
-    return clean_transcript(asr._tokenizer.decode(result[0].sequences_ids[0]))
+    return asr.decode(features, audio.size / SAMPLE_RATE)[0]
 
 
 def timed(fn, *args) -> tuple[str, float]:

@@ -169,14 +169,25 @@ class WhisperASR:
         seconds = audio.size / SAMPLE_RATE
         if audio.size > window_s * SAMPLE_RATE:
             raise ValueError(f"{seconds:.1f} s of audio does not fit a {window_s} s window")
-        import ctranslate2
-
         # The window is filled with silent audio before the log-mel, as Whisper's own front end does: features
         # padded with zeros read as a steady sound, and on a short turn Whisper then repeats it ("Hello? Hello?").
         frames = window_s * SAMPLE_RATE // HOP
         padded = np.zeros(window_s * SAMPLE_RATE, np.float32)
         padded[: audio.size] = audio
-        features = self._whisper.feature_extractor(padded)[:, :frames]
+        text, no_speech = self.decode(self.log_mel(padded)[:, :frames], seconds)
+        if no_speech > self.no_speech_threshold:
+            return ""
+        return drop_repeated_opening(text)
+
+    def log_mel(self, audio: np.ndarray) -> np.ndarray:
+        """Whisper's log-mel features of 16 kHz audio, (mels, frames of HOP samples)."""
+        return self._whisper.feature_extractor(np.ascontiguousarray(audio, np.float32))
+
+    def decode(self, features: np.ndarray, seconds: float) -> tuple[str, float]:
+        """Whisper's encoder and decoder over log-mel features (mels, frames) holding `seconds` of speech: the
+        transcript, cleaned, and the probability that there was no speech."""
+        import ctranslate2
+
         result = self._whisper.model.generate(
             ctranslate2.StorageView.from_array(np.ascontiguousarray(features[None], dtype=np.float32)),
             [self._prompt],
@@ -186,9 +197,7 @@ class WhisperASR:
             suppress_tokens=[-1],
             return_no_speech_prob=True,
         )
-        if result[0].no_speech_prob > self.no_speech_threshold:
-            return ""
-        return drop_repeated_opening(clean_transcript(self._tokenizer.decode(result[0].sequences_ids[0])))
+        return clean_transcript(self._tokenizer.decode(result[0].sequences_ids[0])), result[0].no_speech_prob
 
     def transcribe_full(self, audio: np.ndarray) -> str:
         """faster-whisper's own decode over Whisper's 30 s window (the reference for transcribe)."""
