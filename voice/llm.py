@@ -325,11 +325,12 @@ class LocalLLM:
 
 
 _ASKS_TIME = re.compile(r"\b(time|clock|hour|o'clock)\b", re.I)
+_MORE_WANTED = re.compile(r"\b(story|stories|in detail|explain|tell me more|describe|step by step|all about)\b", re.I)
 # The user saying their name ("My name is Sam.", "Call me Sam.", "Hi, I'm Priya and ...": a capitalised word after a
 # greeting), and asking for it back. A small model asked "What's my name?" mixes up whose name is whose.
-_NAME = r"(?!(?i:not|a|an|the|just)\b)([A-Z][A-Za-z'-]+)"
-_SAYS_NAME = re.compile(rf"\b(?i:my name is|my name's|call me|i'm called|i am called)\s+{_NAME.replace('[A-Z]', '[A-Za-z]')}"
-                        rf"|^\W*(?i:hi|hello|hey)\b[^.?!]*?\b(?i:i'm|i am)\s+{_NAME}")
+_NOT_A_NAME = r"(?!(?i:not|a|an|the|just)\b)"
+_SAYS_NAME = re.compile(rf"\b(?i:my name is|my name's|call me|i'm called|i am called)\s+{_NOT_A_NAME}([A-Za-z][A-Za-z'-]+)"
+                        rf"|^\W*(?i:hi|hello|hey)\b[^.?!]*?\b(?i:i'm|i am)\s+{_NOT_A_NAME}([A-Z][A-Za-z'-]+)")
 _ASKS_OWN_NAME = re.compile(r"\b(my name|who i am|what i'm called|what am i called)\b", re.I)
 
 
@@ -341,7 +342,6 @@ def user_name(said: Sequence[str]) -> str | None:
             said_name = match.group(1) or match.group(2)
             name = said_name[0].upper() + said_name[1:]
     return name
-_MORE_WANTED = re.compile(r"\b(story|stories|in detail|explain|tell me more|describe|step by step|all about)\b", re.I)
 
 
 class LocalLLMAgent:
