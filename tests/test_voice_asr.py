@@ -47,8 +47,8 @@ def test_the_shorter_window_hears_what_the_full_decode_hears(asr, pad_s):
 def test_a_short_turn_cut_where_the_voice_loop_cuts_it_is_heard_once(asr):
     """The first words of a turn, with no silence around them, as a partial decode sees them: the shorter window
     is filled with silent audio, so Whisper seldom says them twice. 8 renderings at 8 speaking rates are cut 3 ways:
-    at most 3 of the 24 decodes may repeat (about 1 in 30 does over Piper's varied speech; with zero features
-    padding the window, about 1 in 4 did: "Hello? Hello? Hello?")."""
+    at most 3 of the 24 decodes may repeat ("Hello? Hello? Hello?"; the rates with each padding: docs/app.md,
+    "Speech recognition")."""
     renderings = [piper_speech("Hello, how are you doing today?", length_scale=0.85 + 0.05 * k) for k in range(8)]
     heard = [asr.transcribe(hello[: int(seconds * SAMPLE_RATE)]).lower()
              for hello in renderings for seconds in (0.4, 0.55, 0.7)]
